@@ -1,0 +1,12 @@
+"""hf_fsdp2: shard any Hugging Face model with PyTorch FSDP2 by changing `Trainer(...)` to `FSDP2Trainer(...)`.
+
+Read the code in flow order: distributed → skeleton → loading → sharding → model → trainer.
+"""
+
+from .config import FSDP2Config
+from .model import prepare_model
+from .skeleton import from_pretrained
+from .trainer import FSDP2Trainer
+
+__all__ = ["FSDP2Config", "FSDP2Trainer", "from_pretrained", "prepare_model"]
+__version__ = "0.1.0"

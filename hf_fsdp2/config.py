@@ -1,0 +1,167 @@
+"""FSDP2Config: every choice hf_fsdp2 makes about sharding, precision and memory, in one dataclass.
+
+It validates its own fields and turns string options into torch objects; it knows nothing about
+models, process groups or the Trainer. Help text lives in `metadata["help"]` so `HfArgumentParser`
+and the README's configuration reference show the same words.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Literal, Optional, Union
+
+import torch
+
+WrapPolicy = Literal["transformer_based_wrap", "size_based_wrap", "no_wrap"]
+WRAP_POLICIES: tuple[str, ...] = ("transformer_based_wrap", "size_based_wrap", "no_wrap")
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+_BOOL_STRINGS = {"true": True, "false": False}
+
+
+@dataclass
+class FSDP2Config:
+    """How `FSDP2Trainer` shards, casts and checkpoints the model."""
+
+    auto_wrap_policy: Union[str, Callable[[torch.nn.Module], bool]] = field(
+        default="transformer_based_wrap",
+        metadata={
+            "help": "Which modules become FSDP units (each all-gathered and freed on its own): "
+            "'transformer_based_wrap' (every module whose class is in transformer_layer_cls_to_wrap), "
+            "'size_based_wrap' (the smallest modules holding at least min_num_params parameters), "
+            "'no_wrap' (one unit: the whole model), or a callable module -> bool."
+        },
+    )
+    transformer_layer_cls_to_wrap: Optional[list[str]] = field(
+        default=None,
+        metadata={
+            "help": "Class names of the blocks to wrap with 'transformer_based_wrap'. "
+            "Default: the model's `_no_split_modules` (e.g. ['LlamaDecoderLayer'])."
+        },
+    )
+    min_num_params: int = field(
+        default=100_000_000,
+        metadata={"help": "Parameter count from which a module becomes a unit under 'size_based_wrap'."},
+    )
+    reshard_after_forward: Union[bool, int, str] = field(
+        default=True,
+        metadata={
+            "help": "Free gathered parameters after each unit's forward (True: least memory, gathers again in "
+            "backward), keep them (False: faster, ZeRO-2-like), or an int: reshard to groups of that many "
+            "ranks (must divide the shard group size). The root unit is never resharded after forward."
+        },
+    )
+    param_dtype: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "Dtype of the gathered parameters used in forward/backward: 'bfloat16', 'float32'. "
+            "Default: 'bfloat16' when TrainingArguments.bf16 is set, else the parameters' own dtype. "
+            "Trainable parameters are always kept as float32 masters when this is lower precision."
+        },
+    )
+    reduce_dtype: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "Dtype gradients are reduced (reduce-scatter / all-reduce) in. Default: 'float32' "
+            "whenever mixed precision is on."
+        },
+    )
+    cpu_offload: bool = field(
+        default=False,
+        metadata={
+            "help": "Keep sharded parameters, gradients and optimizer state in host memory and run the optimizer "
+            "step on the CPU (torch's CPUOffloadPolicy). Saves accelerator memory, costs speed."
+        },
+    )
+    activation_checkpointing: bool = field(
+        default=False,
+        metadata={
+            "help": "Recompute each wrapped block's activations in backward instead of storing them. "
+            "Applied per unit, before compile and sharding; parameter names do not change."
+        },
+    )
+    compile: bool = field(
+        default=False,
+        metadata={"help": "torch.compile each wrapped block (after activation checkpointing, before sharding)."},
+    )
+    defer_gradient_sync: bool = field(
+        default=False,
+        metadata={
+            "help": "With gradient_accumulation_steps > 1: keep unreduced, unsharded gradients across micro-steps "
+            "and reduce once per optimizer step (less communication, more memory). Default: reduce every "
+            "micro-step (least memory)."
+        },
+    )
+    hsdp_replicate_size: int = field(
+        default=1,
+        metadata={
+            "help": "Number of replicas for HSDP: > 1 builds a 2-D mesh (replicate x shard), sharding within "
+            "groups of world_size / hsdp_replicate_size ranks (usually: one node) and replicating across them."
+        },
+    )
+
+    def __post_init__(self) -> None:
+        """Normalize CLI strings and reject bad values before any collective runs."""
+        self.reshard_after_forward = _parse_reshard(self.reshard_after_forward)
+        if not callable(self.auto_wrap_policy) and self.auto_wrap_policy not in WRAP_POLICIES:
+            raise ValueError(
+                f"auto_wrap_policy={self.auto_wrap_policy!r} is not valid; choose one of {list(WRAP_POLICIES)} "
+                "or pass a callable (module) -> bool."
+            )
+        if isinstance(self.transformer_layer_cls_to_wrap, str):
+            self.transformer_layer_cls_to_wrap = [
+                name.strip() for name in self.transformer_layer_cls_to_wrap.split(",") if name.strip()
+            ]
+        if self.transformer_layer_cls_to_wrap is not None and not self.transformer_layer_cls_to_wrap:
+            raise ValueError(
+                "transformer_layer_cls_to_wrap=[] names no class; leave it None to use the model's "
+                "_no_split_modules, or name the block classes (e.g. ['LlamaDecoderLayer'])."
+            )
+        if self.min_num_params < 1:
+            raise ValueError(f"min_num_params={self.min_num_params} must be >= 1 (a parameter count).")
+        for name in ("param_dtype", "reduce_dtype"):
+            value = getattr(self, name)
+            if value is not None and value not in DTYPES:
+                raise ValueError(f"{name}={value!r} is not valid; choose one of {list(DTYPES)} or leave it None.")
+        if self.param_dtype == "float16" or self.reduce_dtype == "float16":
+            raise ValueError(
+                "float16 is not supported: FSDP2 has no sharded loss scaling here, so float16 gradients "
+                "underflow. Use param_dtype='bfloat16' (TrainingArguments(bf16=True))."
+            )
+        if not isinstance(self.hsdp_replicate_size, int) or self.hsdp_replicate_size < 1:
+            raise ValueError(
+                f"hsdp_replicate_size={self.hsdp_replicate_size!r} must be an int >= 1 "
+                "(1 = plain FSDP; N > 1 = N replicas of a sharded model)."
+            )
+
+    def to_summary(self) -> dict[str, Any]:
+        """Return the fields as plain values, so ranks can compare configs before the first collective."""
+        summary = asdict(self)
+        if callable(self.auto_wrap_policy):
+            summary["auto_wrap_policy"] = getattr(self.auto_wrap_policy, "__qualname__", "callable")
+        return summary
+
+
+def _parse_reshard(value: Union[bool, int, str]) -> Union[bool, int]:
+    """Accept True/False/int, and their spellings on a command line."""
+    if isinstance(value, str):
+        lowered = value.strip().lower()
+        if lowered in _BOOL_STRINGS:
+            return _BOOL_STRINGS[lowered]
+        if lowered.isdigit():
+            value = int(lowered)
+        else:
+            raise ValueError(f"reshard_after_forward={value!r} is not valid; use true, false or a positive int.")
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value >= 1:
+        return value
+    raise ValueError(f"reshard_after_forward={value!r} is not valid; use True, False or a positive int.")
+
+
+def resolve_dtype(name: Optional[str]) -> Optional[torch.dtype]:
+    """Map a config dtype name to a torch dtype (None stays None)."""
+    return None if name is None else DTYPES[name]

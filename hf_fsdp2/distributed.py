@@ -1,0 +1,107 @@
+"""The process group, the device and the device mesh: the only module that reads torchrun's environment.
+
+Started by torchrun (RANK/LOCAL_RANK/WORLD_SIZE set) it joins that job; started as a plain `python`
+process it becomes a world of one, so the same code runs on a laptop. It knows nothing about models.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
+
+
+def get_device() -> torch.device:
+    """Return this rank's accelerator (by LOCAL_RANK) or the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def init_distributed() -> None:
+    """Join torchrun's process group, or start a world of one; reuse a group that already exists."""
+    if dist.is_initialized():
+        return
+    device = get_device()
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None)
+    else:
+        # NOTE: a world of one needs no rendezvous; a HashStore keeps it free of ports and files.
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+def build_mesh(replicate_size: int = 1) -> DeviceMesh:
+    """Build the 1-D shard mesh, or the 2-D (replicate, shard) mesh for HSDP."""
+    world = dist.get_world_size()
+    device_type = get_device().type
+    if replicate_size == 1:
+        return init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
+    if world % replicate_size:
+        raise ValueError(
+            f"hsdp_replicate_size={replicate_size} does not divide the world size {world}; "
+            f"choose a divisor of {world} (e.g. the number of nodes)."
+        )
+    return init_device_mesh(
+        device_type, (replicate_size, world // replicate_size), mesh_dim_names=("replicate", "shard")
+    )
+
+
+def get_rank() -> int:
+    """Return the global rank (0 outside a process group)."""
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def is_rank0() -> bool:
+    """True on the rank that speaks for the job (logs, writes shared files)."""
+    return get_rank() == 0
+
+
+def log_rank0(message: str, *args: Any) -> None:
+    """Log at INFO on rank 0 only, so N ranks do not print N copies."""
+    if is_rank0():
+        logger.info(message, *args)
+
+
+def warn_rank0(message: str, *args: Any) -> None:
+    """Warn on rank 0 only."""
+    if is_rank0():
+        logger.warning(message, *args)
+
+
+def check_same_on_all_ranks(what: str, value: Any) -> None:
+    """Fail on every rank, naming the first rank that differs, when ranks disagree about `value`.
+
+    NOTE: run before any sharding collective, so a mismatched config fails loudly instead of hanging.
+    """
+    world = dist.get_world_size()
+    if world == 1:
+        return
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, value)
+    for rank, other in enumerate(gathered):
+        if other != gathered[0]:
+            raise ValueError(
+                f"rank {rank} has a different {what} than rank 0: {other!r} != {gathered[0]!r}. "
+                "Every rank must run the same script with the same arguments."
+            )
+
+
+def raise_if_any_rank(problem: Any) -> None:
+    """Raise the first rank's problem on every rank, so a failure on one rank never leaves others waiting."""
+    world = dist.get_world_size()
+    gathered: list[Any] = [problem]
+    if world > 1:
+        gathered = [None] * world
+        dist.all_gather_object(gathered, problem)
+    for rank, found in enumerate(gathered):
+        if found:
+            raise ValueError(f"rank {rank}: {found}")

@@ -1,0 +1,287 @@
+"""Getting weights into a sharded model without any rank holding more than it must.
+
+Two routes, chosen per model:
+- safetensors on every rank: each rank reads only its own slices (torch DCP's Hugging Face reader);
+  what the checkpoint lacks (a new head, RoPE buffers) is initialized as `from_pretrained` would.
+- otherwise (a model object, `.bin` files, files only rank 0 can see, keys that need transformers'
+  conversion): rank 0's weights are the truth and are broadcast tensor by tensor.
+It knows how to shard only through the callable it is given.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import HuggingFaceStorageReader
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.tensor import DTensor, distribute_tensor
+from transformers import PreTrainedModel
+
+from .distributed import get_device, is_rank0, log_rank0, raise_if_any_rank, warn_rank0
+from .skeleton import (
+    PretrainedSource,
+    Structure,
+    first_meta_tensor,
+    get_source,
+    move_to_meta,
+    set_tensor,
+    tie_groups,
+)
+
+ShardFn = Callable[[nn.Module], None]
+_INIT_FLAG = "_is_hf_initialized"
+
+
+@dataclass
+class SafetensorsPlan:
+    """Which checkpoint key fills each model tensor, and which tensors the checkpoint lacks."""
+
+    keys: dict[str, str] = field(default_factory=dict)
+    missing: list[str] = field(default_factory=list)
+    unused: list[str] = field(default_factory=list)
+
+
+def _tensor_names(model: nn.Module) -> list[list[str]]:
+    """Parameters and persistent buffers as lists of names (one list per tie group)."""
+    grouped = {names[0]: names for names in tie_groups(model)}
+    names = [grouped.get(name, [name]) for name, _ in model.named_parameters()]
+    for module_name, module in model.named_modules():
+        for leaf, buffer in module._buffers.items():
+            if buffer is not None and leaf not in module._non_persistent_buffers_set:
+                names.append([f"{module_name}.{leaf}" if module_name else leaf])
+    return names
+
+
+def _candidates(name: str, prefix: str) -> list[str]:
+    """Checkpoint spellings of a model key: as is, without and with the base-model prefix."""
+    out = [name]
+    if prefix and name.startswith(prefix + "."):
+        out.append(name[len(prefix) + 1 :])
+    elif prefix:
+        out.append(f"{prefix}.{name}")
+    return out
+
+
+def plan_safetensors_load(model: nn.Module, checkpoint_shapes: dict[str, torch.Size]) -> SafetensorsPlan:
+    """Match model tensors to checkpoint keys; raise ValueError naming the first shape mismatch."""
+    plan = SafetensorsPlan()
+    prefix = getattr(model, "base_model_prefix", "")
+    for names in _tensor_names(model):
+        tensor = model.get_parameter(names[0]) if _is_param(model, names[0]) else model.get_buffer(names[0])
+        found = next((key for n in names for key in _candidates(n, prefix) if key in checkpoint_shapes), None)
+        if found is None:
+            plan.missing.append(names[0])
+            continue
+        if tuple(checkpoint_shapes[found]) != tuple(tensor.shape):
+            raise ValueError(
+                f"{names[0]}: the checkpoint's {found} has shape {tuple(checkpoint_shapes[found])}, the model "
+                f"expects {tuple(tensor.shape)}. The checkpoint belongs to another model or config."
+            )
+        plan.keys[names[0]] = found
+    plan.unused = sorted(set(checkpoint_shapes) - set(plan.keys.values()))
+    return plan
+
+
+def _is_param(model: nn.Module, name: str) -> bool:
+    module_name, _, leaf = name.rpartition(".")
+    return leaf in model.get_submodule(module_name)._parameters
+
+
+def _non_persistent_buffers(model: nn.Module) -> list[str]:
+    """Names of buffers that no checkpoint holds (RoPE inv_freq and friends)."""
+    return [
+        f"{module_name}.{leaf}" if module_name else leaf
+        for module_name, module in model.named_modules()
+        for leaf in module._non_persistent_buffers_set
+        if module._buffers.get(leaf) is not None
+    ]
+
+
+def init_missing(model: nn.Module, missing: list[str]) -> dict[str, torch.Tensor]:
+    """Initialize what the checkpoint lacks exactly as single-process `from_pretrained` would.
+
+    Every rank runs this with the same seed, so every rank computes the same full values. Only the missing
+    tensors get storage; everything else stays on meta and is flagged as loaded, so `initialize_weights`
+    draws random numbers for the same tensors, in the same order, as `from_pretrained`.
+    """
+    buffers = _non_persistent_buffers(model)
+    if not missing and not buffers:
+        return {}
+    if not isinstance(model, PreTrainedModel):
+        raise ValueError(
+            f"{type(model).__name__} is not a PreTrainedModel, so nothing can initialize {(missing + buffers)[0]}; "
+            "pass a model object with real weights instead."
+        )
+    groups = {names[0]: names for names in tie_groups(model)}
+    todo = set(missing) | set(buffers)
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if name not in todo:
+            setattr(tensor, _INIT_FLAG, True)
+    for name in todo:
+        _set_storage(model, groups.get(name, [name]), "cpu")
+    model.initialize_weights()
+    values = {name: _get(model, name).detach() for name in todo}
+    for name in todo:
+        _set_storage(model, groups.get(name, [name]), "meta")
+    _clear_init_flags(model)
+    return values
+
+
+def _get(model: nn.Module, name: str) -> torch.Tensor:
+    return model.get_parameter(name) if _is_param(model, name) else model.get_buffer(name)
+
+
+def _set_storage(model: nn.Module, names: list[str], device: str) -> None:
+    """Give a (possibly tied) parameter or buffer fresh storage on `device`, keeping its dtype and tie."""
+    old = _get(model, names[0])
+    new = torch.empty_like(old, device=device)
+    if isinstance(old, nn.Parameter):
+        new = nn.Parameter(new, requires_grad=old.requires_grad)
+    set_tensor(model, names, new)
+
+
+def _clear_init_flags(model: nn.Module) -> None:
+    """Remove transformers' init flags so a later `initialize_weights` is not silently skipped."""
+    for module in model.modules():
+        module.__dict__.pop(_INIT_FLAG, None)
+        for tensor in [*module._parameters.values(), *module._buffers.values()]:
+            if tensor is not None:
+                tensor.__dict__.pop(_INIT_FLAG, None)
+
+
+def materialize(model: nn.Module, offload: bool) -> None:
+    """Allocate each rank's shards (values undefined); with CPU offload, shards live in host memory."""
+    device = get_device()
+    model.to_empty(device=torch.device("cpu") if offload else device)
+    if offload and device.type != "cpu":
+        for module in model.modules():
+            for leaf, buffer in module._buffers.items():
+                if buffer is not None:
+                    module._buffers[leaf] = buffer.to(device)
+
+
+@torch.no_grad()
+def copy_full_into_shards(model: nn.Module, values: dict[str, torch.Tensor]) -> None:
+    """Copy full tensors (identical on every rank) into this rank's shards, without communication."""
+    for name, full in values.items():
+        target = _get(model, name)
+        if isinstance(target, DTensor):
+            local = distribute_tensor(
+                full.to(target.dtype), target.device_mesh, target.placements, src_data_rank=None
+            ).to_local()
+            target.to_local().copy_(local)
+        else:
+            target.copy_(full)
+
+
+def read_safetensors_shards(model: nn.Module, path: str, plan: SafetensorsPlan) -> None:
+    """Read each rank's slices of every planned tensor straight from the safetensors files."""
+    state = {key: _get(model, name) for name, key in plan.keys.items()}
+    dcp.load(state, storage_reader=HuggingFaceStorageReader(path))
+
+
+@torch.no_grad()
+def broadcast_buffers(model: nn.Module) -> None:
+    """Send every buffer from rank 0 (non-persistent ones are in no state dict)."""
+    for _, buffer in model.named_buffers():
+        dist.broadcast(buffer, src=0)
+
+
+def safetensors_shapes(path: str) -> Optional[dict[str, torch.Size]]:
+    """Shapes of every tensor in a folder's safetensors files, or None if it has none."""
+    if not os.path.isdir(path) or not glob.glob(os.path.join(path, "*.safetensors")):
+        return None
+    metadata = HuggingFaceStorageReader(path).read_metadata()
+    return {key: md.size for key, md in metadata.state_dict_metadata.items()}
+
+
+def _needs_conversion(model: nn.Module) -> Optional[str]:
+    """Name the reason the checkpoint's keys need transformers' own conversion, or None."""
+    if not isinstance(model, PreTrainedModel):
+        return None
+    from transformers.conversion_mapping import get_model_conversion_mapping
+
+    conversions = get_model_conversion_mapping(model, add_legacy=False)
+    return f"{type(model).__name__} needs weight conversions ({len(conversions)})" if conversions else None
+
+
+def choose_route(model: nn.Module) -> tuple[str, Optional[SafetensorsPlan]]:
+    """Pick 'safetensors' when every rank can read the files directly, else 'rank0'."""
+    source = get_source(model)
+    if source is None:
+        return "rank0", None
+    shapes = safetensors_shapes(source.path)
+    reason = _needs_conversion(model) or (None if shapes else f"no *.safetensors in {source.path}")
+    gathered: list[Optional[str]] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, reason)
+    reason = next((r for r in gathered if r), None)
+    if reason:
+        log_rank0("Loading on rank 0 and broadcasting: %s.", reason)
+        return "rank0", None
+    plan = plan_safetensors_load(model, shapes)
+    if plan.missing:
+        warn_rank0("Not in the checkpoint, newly initialized: %s", plan.missing)
+    if plan.unused:
+        log_rank0("Checkpoint tensors the model does not use: %s", plan.unused)
+    return "safetensors", plan
+
+
+def load_sharded(model: nn.Module, shard: ShardFn, offload: bool = False) -> nn.Module:
+    """Shard `model` with `shard` and fill every rank's shards with the right weights; verify the result."""
+    structure = Structure.of(model)
+    route, plan = choose_route(model)
+    if plan is not None:
+        initial = init_missing(model, plan.missing)
+        shard(model)
+        materialize(model, offload)
+        read_safetensors_shards(model, get_source(model).path, plan)
+        copy_full_into_shards(model, initial)
+    else:
+        state, buffers = _rank0_state(model)
+        move_to_meta(model)
+        shard(model)
+        materialize(model, offload)
+        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        copy_full_into_shards(model, buffers)
+        del state, buffers
+        broadcast_buffers(model)
+    structure.verify(model)
+    return model
+
+
+Rank0State = tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]
+
+
+def _rank0_state(model: nn.Module) -> Rank0State:
+    """On rank 0, the full state dict and all buffers that every rank will be given; empty elsewhere."""
+    problem: Optional[str] = None
+    state: Rank0State = ({}, {})
+    if is_rank0():
+        try:
+            state, problem = _full_state_on_rank0(model)
+        except Exception as error:  # NOTE: re-raised on every rank below, so no rank waits forever.
+            problem = f"{type(error).__name__}: {error}"
+    raise_if_any_rank(problem)
+    return state
+
+
+def _full_state_on_rank0(model: nn.Module) -> tuple[Rank0State, Optional[str]]:
+    """Read the whole model on rank 0, from its source path or from the object itself."""
+    source: Optional[PretrainedSource] = get_source(model)
+    if source is not None:
+        model = source.auto_class.from_pretrained(source.path, **source.kwargs)
+    else:
+        meta = first_meta_tensor(model)
+        if meta is not None:
+            return ({}, {}), (
+                f"rank 0's model has {meta} on the meta device; rank 0 must hold real weights, or build the "
+                "model with hf_fsdp2.from_pretrained(path) so each rank reads its own part."
+            )
+    return (model.state_dict(), dict(model.named_buffers())), None

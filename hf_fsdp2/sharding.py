@@ -1,0 +1,210 @@
+"""Turning a model into FSDP2 units: which modules to wrap, activation checkpointing, compile,
+mixed precision and `fully_shard`, bottom-up with the root last.
+
+It works on meta or real tensors alike and never reads weights or touches the Trainer.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
+
+from .config import FSDP2Config, resolve_dtype
+from .distributed import warn_rank0
+from .skeleton import set_tensor, tie_groups
+
+
+def block_classes(model: nn.Module, config: FSDP2Config) -> list[str]:
+    """Return the block class names to wrap: the config's, else the model's `_no_split_modules`."""
+    if config.transformer_layer_cls_to_wrap:
+        return list(config.transformer_layer_cls_to_wrap)
+    names: list[str] = []
+    for module in model.modules():
+        for name in getattr(module, "_no_split_modules", None) or []:
+            if name not in names:
+                names.append(name)
+    if not names:
+        raise ValueError(
+            f"{type(model).__name__} declares no `_no_split_modules`, so transformer_based_wrap does not know its "
+            "blocks. Set FSDP2Config(transformer_layer_cls_to_wrap=[...]) to the block class names, or use "
+            "auto_wrap_policy='size_based_wrap'."
+        )
+    return names
+
+
+def _splits_a_tie(module: nn.Module, groups: list[set[int]]) -> bool:
+    """True when `module` owns some but not all users of a shared parameter (they must share a unit)."""
+    owned = {id(m) for m in module.modules()}
+    return any(0 < len(owned & group) < len(group) for group in groups)
+
+
+def _tie_owner_groups(model: nn.Module) -> list[set[int]]:
+    """For each shared parameter, the ids of the modules that hold it."""
+    return [{id(model.get_submodule(name.rpartition(".")[0])) for name in names} for names in tie_groups(model)]
+
+
+def _size_based_units(model: nn.Module, min_num_params: int, groups: list[set[int]]) -> list[nn.Module]:
+    """Pick, bottom-up, the smallest modules holding >= min_num_params parameters not yet in a unit."""
+    units: list[nn.Module] = []
+    covered: set[int] = set()
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            visit(child)
+        if module is model:
+            return
+        fresh = [p for p in module.parameters() if id(p) not in covered]
+        if sum(p.numel() for p in fresh) >= min_num_params and not _splits_a_tie(module, groups):
+            units.append(module)
+            covered.update(id(p) for p in fresh)
+
+    visit(model)
+    return units
+
+
+def select_units(model: nn.Module, config: FSDP2Config) -> list[nn.Module]:
+    """Return the modules to shard as their own units, deepest first (the root is always sharded last)."""
+    groups = _tie_owner_groups(model)
+    policy = config.auto_wrap_policy
+    if callable(policy):
+        units = [m for m in _post_order(model) if m is not model and policy(m)]
+    else:
+        match policy:
+            case "no_wrap":
+                return []
+            case "size_based_wrap":
+                return _size_based_units(model, config.min_num_params, groups)
+            case "transformer_based_wrap":
+                wanted = block_classes(model, config)
+                units = [m for m in _post_order(model) if type(m).__name__ in wanted and m is not model]
+                if not units:
+                    present = sorted({type(m).__name__ for m in model.modules()})
+                    raise ValueError(
+                        f"no module matched transformer_layer_cls_to_wrap={wanted}; classes in this model: {present}"
+                    )
+            case _:
+                raise ValueError(f"auto_wrap_policy={policy!r}; choose transformer_based_wrap, size_based_wrap or no_wrap")
+    for unit in units:
+        if _splits_a_tie(unit, groups):
+            raise ValueError(
+                f"wrapping {type(unit).__name__} would split tied weights across FSDP units; tied embedding and "
+                "head must share a unit. Exclude it from the wrap policy."
+            )
+    return units
+
+
+def _post_order(model: nn.Module) -> list[nn.Module]:
+    """Modules children-first, so inner units are sharded before the units that contain them."""
+    order: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            visit(child)
+        order.append(module)
+
+    visit(model)
+    return order
+
+
+def mixed_precision_policy(config: FSDP2Config, bf16: bool, fp16: bool) -> MixedPrecisionPolicy:
+    """Resolve compute and reduce dtypes from the config, defaulting from TrainingArguments' bf16."""
+    if fp16:
+        raise ValueError(
+            "TrainingArguments(fp16=True) is not supported with FSDP2 (no sharded loss scaling); use bf16=True."
+        )
+    param_dtype = resolve_dtype(config.param_dtype or ("bfloat16" if bf16 else None))
+    reduce_name = config.reduce_dtype or ("float32" if param_dtype not in (None, torch.float32) else None)
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=resolve_dtype(reduce_name))
+
+
+def upcast_trainable(model: nn.Module, policy: MixedPrecisionPolicy) -> None:
+    """Make trainable low-precision params fp32 masters when compute runs in a lower precision."""
+    if policy.param_dtype in (None, torch.float32):
+        return
+    groups = {id(model.get_parameter(names[0])): names for names in tie_groups(model)}
+    upcast: list[str] = []
+    for name, param in list(model.named_parameters()):
+        if param.requires_grad and param.dtype != torch.float32:
+            master = nn.Parameter(param.detach().to(torch.float32), requires_grad=True)
+            set_tensor(model, groups.get(id(param), [name]), master)
+            upcast.append(name)
+    if upcast:
+        warn_rank0(
+            "Upcast %d trainable parameters (e.g. %s) to float32 master weights; compute runs in %s. "
+            "Set FSDP2Config(param_dtype='float32') to train in float32 throughout.",
+            len(upcast),
+            upcast[0],
+            policy.param_dtype,
+        )
+
+
+def _check_reshard(value: bool | int, mesh: DeviceMesh) -> None:
+    """An int reshard size must divide the shard group, or FSDP fails deep inside."""
+    shard_size = mesh.size(-1)
+    if not isinstance(value, bool) and shard_size % value:
+        raise ValueError(
+            f"reshard_after_forward={value} does not divide the shard group size {shard_size}; "
+            f"use True, False or a divisor of {shard_size}."
+        )
+
+
+def shard_model(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    config: FSDP2Config,
+    policy: MixedPrecisionPolicy,
+    units: Optional[list[nn.Module]] = None,
+) -> nn.Module:
+    """Apply activation checkpointing, then compile, then `fully_shard` to each unit and the root."""
+    units = select_units(model, config) if units is None else units
+    _check_reshard(config.reshard_after_forward, mesh)
+    if config.activation_checkpointing:
+        _checkpoint_units(model, units)
+    if config.compile:
+        for unit in units or [model]:
+            unit.compile()
+    kwargs = dict(mesh=mesh, reshard_after_forward=config.reshard_after_forward, mp_policy=policy)
+    if config.cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    for unit in units:
+        fully_shard(unit, **kwargs)
+    fully_shard(model, **kwargs)
+    if hasattr(model, "generate"):
+        # NOTE: generate() reads root params outside forward; this makes it gather them first.
+        register_fsdp_forward_method(model, "generate")
+    return model
+
+
+def _checkpoint_units(model: nn.Module, units: list[nn.Module]) -> None:
+    """Recompute each unit's activations in backward; composable, so parameter names stay the same."""
+    from torch.distributed._composable import checkpoint
+
+    if not units:
+        raise ValueError(
+            "activation_checkpointing=True needs wrapped blocks to checkpoint, but the wrap policy selected none; "
+            "use auto_wrap_policy='transformer_based_wrap'."
+        )
+    for unit in units:
+        checkpoint(unit)
+
+
+def fsdp_modules(model: nn.Module) -> list[FSDPModule]:
+    """Every FSDP unit in the model, root included."""
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def reshard_all(model: nn.Module) -> None:
+    """Put every unit back to its sharded parameters (a no_grad forward leaves the root gathered)."""
+    for module in fsdp_modules(model):
+        module.reshard()
+

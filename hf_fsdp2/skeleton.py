@@ -1,0 +1,129 @@
+"""The model's structure without its weights: meta-device skeletons, tied parameters, and the checks
+that a model came out of loading whole (nothing on meta, ties intact, no extra parameters).
+
+It reads configs, never weights; where the weights come from is `loading`'s business.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM
+
+SOURCE_ATTR = "_hf_fsdp2_source"
+# from_pretrained kwargs that shape the model object rather than its config.
+_MODEL_KWARGS = ("dtype", "torch_dtype", "attn_implementation", "trust_remote_code")
+
+
+@dataclass
+class PretrainedSource:
+    """Where a skeleton's weights live, and how `from_pretrained` would have been called."""
+
+    path: str
+    auto_class: Any
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+def from_pretrained(path: str | os.PathLike, auto_class: Any = AutoModelForCausalLM, **kwargs: Any) -> nn.Module:
+    """Build `auto_class.from_pretrained(path, **kwargs)`'s model on the meta device, reading no weights.
+
+    `FSDP2Trainer` loads each rank's part of the weights after sharding. Keyword arguments are those of
+    `from_pretrained` (`dtype`, `attn_implementation`, `trust_remote_code`, config overrides such as
+    `num_labels`).
+    """
+    path = os.fspath(path)
+    model_kwargs = {k: kwargs[k] for k in _MODEL_KWARGS if k in kwargs}
+    config_kwargs = {k: v for k, v in kwargs.items() if k not in _MODEL_KWARGS or k == "trust_remote_code"}
+    config = AutoConfig.from_pretrained(path, **config_kwargs)
+    dtype = model_kwargs.pop("dtype", model_kwargs.pop("torch_dtype", None))
+    if isinstance(dtype, str) and dtype != "auto":
+        dtype = getattr(torch, dtype)
+    if dtype is None or dtype == "auto":
+        dtype = config.dtype if dtype == "auto" and config.dtype is not None else torch.float32
+    with torch.device("meta"):
+        model = auto_class.from_config(config, dtype=dtype, **model_kwargs)
+    setattr(model, SOURCE_ATTR, PretrainedSource(path, auto_class, dict(kwargs)))
+    return model
+
+
+def get_source(model: nn.Module) -> Optional[PretrainedSource]:
+    """Return where a skeleton built by `from_pretrained` reads its weights, or None for a model object."""
+    return getattr(model, SOURCE_ATTR, None)
+
+
+def tie_groups(model: nn.Module) -> list[list[str]]:
+    """List the names that share one Parameter object, one list per shared parameter (first name first)."""
+    by_id: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(param), []).append(name)
+    return [names for names in by_id.values() if len(names) > 1]
+
+
+def set_tensor(model: nn.Module, names: list[str], tensor: torch.Tensor) -> None:
+    """Put one tensor (Parameter or buffer) under every name of a tie group, keeping the tie."""
+    for name in names:
+        module_name, _, leaf = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        if leaf in module._parameters:
+            module._parameters[leaf] = tensor
+        else:
+            module._buffers[leaf] = tensor
+
+
+def retie(model: nn.Module, groups: list[list[str]]) -> None:
+    """Make every name in each group point at the group's first Parameter again."""
+    for names in groups:
+        set_tensor(model, names[1:], model.get_parameter(names[0]))
+
+
+def move_to_meta(model: nn.Module) -> None:
+    """Drop every parameter's and buffer's storage, keeping shapes, dtypes and ties."""
+    groups = tie_groups(model)
+    model.to("meta")
+    # NOTE: Module._apply gives each owner of a shared Parameter its own new Parameter; tie them again.
+    retie(model, groups)
+
+
+def first_meta_tensor(model: nn.Module) -> Optional[str]:
+    """Name the first parameter or buffer still on the meta device, or None."""
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if tensor.is_meta or (hasattr(tensor, "to_local") and tensor.to_local().is_meta):
+            return name
+    return None
+
+
+@dataclass
+class Structure:
+    """What must still hold after loading: the tie groups and the number of unique parameters."""
+
+    groups: list[list[str]]
+    num_params: int
+
+    @classmethod
+    def of(cls, model: nn.Module) -> "Structure":
+        """Record the structure of `model` as it is now."""
+        return cls(tie_groups(model), len(list(model.parameters())))
+
+    def verify(self, model: nn.Module) -> None:
+        """Raise RuntimeError naming what broke: a meta tensor, an untied weight, an extra parameter."""
+        name = first_meta_tensor(model)
+        if name is not None:
+            raise RuntimeError(
+                f"{name} is still on the meta device after loading: it is in no checkpoint and nothing "
+                "initialized it. Check that the checkpoint matches the model class."
+            )
+        for names in self.groups:
+            first = model.get_parameter(names[0])
+            for other in names[1:]:
+                if model.get_parameter(other) is not first:
+                    raise RuntimeError(f"{other} is no longer tied to {names[0]} after loading.")
+        num_params = len(list(model.parameters()))
+        if num_params != self.num_params:
+            raise RuntimeError(
+                f"the model has {num_params} unique parameters after loading, {self.num_params} before: "
+                "a tied weight was duplicated or a parameter was added."
+            )

@@ -1,0 +1,81 @@
+"""Tiny Hugging Face models built from configs and saved locally: nothing is downloaded."""
+
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+import torch
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+VOCAB = 96
+
+
+def llama(tied: bool = False, layers: int = 2) -> PreTrainedModel:
+    """A Llama with GQA and RoPE; `tied` shares embedding and head."""
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=tied,
+        pad_token_id=0,
+    )
+    return LlamaForCausalLM(config)
+
+
+def qwen2() -> PreTrainedModel:
+    """A Qwen2 (attention biases, untied)."""
+    config = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+    )
+    return Qwen2ForCausalLM(config)
+
+
+def gpt2() -> PreTrainedModel:
+    """A GPT-2 (tied head, Conv1D layers, learned positions)."""
+    config = GPT2Config(
+        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, pad_token_id=0, bos_token_id=1, eos_token_id=2
+    )
+    return GPT2LMHeadModel(config)
+
+
+BUILDERS: dict[str, Callable[[], PreTrainedModel]] = {
+    "llama": llama,
+    "llama_tied": lambda: llama(tied=True),
+    "qwen2": qwen2,
+    "gpt2": gpt2,
+}
+
+
+def save_tiny(name: str, directory: str, seed: int = 1234, safe_serialization: bool = True) -> str:
+    """Build model `name` with a fixed seed and save it under `directory/name`; return the folder."""
+    torch.manual_seed(seed)
+    model = BUILDERS[name]()
+    path = os.path.join(directory, name if safe_serialization else f"{name}_bin")
+    if safe_serialization:
+        model.save_pretrained(path)
+    else:
+        model.config.save_pretrained(path)
+        state = {k: v for k, v in model.state_dict().items() if not (name.endswith("tied") and k == "lm_head.weight")}
+        torch.save(state, os.path.join(path, "pytorch_model.bin"))
+    return path

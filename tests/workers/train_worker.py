@@ -1,0 +1,141 @@
+"""Train a tiny model with FSDP2Trainer (under torchrun or as one process) and record what happened.
+
+Rank 0 writes `result.json` (per-step losses and grad norms, eval loss) and `weights.pt` (the full
+trained state dict) into --out, so tests can compare runs with different world sizes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import torch.distributed as dist
+from datasets import Dataset
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from transformers import AutoModelForCausalLM, TrainingArguments
+
+from hf_fsdp2 import FSDP2Config, FSDP2Trainer, from_pretrained
+
+SEQ = 16
+
+
+def make_dataset(n: int, vocab: int, seed: int = 0) -> Dataset:
+    """Token sequences of varying length, padded with label -100, so token-count normalization matters."""
+    g = torch.Generator().manual_seed(seed)
+    rows = {"input_ids": [], "attention_mask": [], "labels": []}
+    for _ in range(n):
+        length = int(torch.randint(SEQ // 2, SEQ + 1, (1,), generator=g))
+        ids = torch.randint(3, vocab, (length,), generator=g).tolist()
+        pad = SEQ - length
+        rows["input_ids"].append(ids + [0] * pad)
+        rows["attention_mask"].append([1] * length + [0] * pad)
+        rows["labels"].append(ids + [-100] * pad)
+    return Dataset.from_dict(rows)
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--load", default="path", choices=["path", "from_pretrained", "object", "object_rank0"])
+    p.add_argument("--global-batch", type=int, default=4)
+    p.add_argument("--grad-accum", type=int, default=2)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--defer", action="store_true")
+    p.add_argument("--bf16", action="store_true")
+    p.add_argument("--hsdp", type=int, default=1)
+    p.add_argument("--wrap", default="transformer_based_wrap")
+    p.add_argument("--reshard", default="true")
+    p.add_argument("--ac", action="store_true")
+    p.add_argument("--max-grad-norm", type=float, default=1.0)
+    p.add_argument("--evaluate-first", action="store_true")
+    p.add_argument("--user-optimizer", action="store_true")
+    p.add_argument("--generate", action="store_true")
+    return p.parse_args()
+
+
+def build_model(args: argparse.Namespace):
+    """Hand the trainer a path, a meta skeleton, or a real object (on every rank or only rank 0)."""
+    if args.load == "path":
+        return args.model
+    if args.load == "from_pretrained":
+        return from_pretrained(args.model, AutoModelForCausalLM)
+    rank = int(os.environ.get("RANK", "0"))
+    if args.load == "object_rank0" and rank != 0:
+        return from_pretrained(args.model, AutoModelForCausalLM)
+    return AutoModelForCausalLM.from_pretrained(args.model)
+
+
+def main() -> None:
+    args = parse()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    per_device = args.global_batch // (world * args.grad_accum)
+    assert per_device * world * args.grad_accum == args.global_batch, "global batch must split evenly"
+    model = build_model(args)
+    optimizers = (None, None)
+    if args.user_optimizer:
+        optimizers = (torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0), None)
+    training_args = TrainingArguments(
+        output_dir=os.path.join(args.out, "run"),
+        per_device_train_batch_size=per_device,
+        per_device_eval_batch_size=per_device,
+        gradient_accumulation_steps=args.grad_accum,
+        max_steps=args.steps,
+        learning_rate=args.lr,
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+        max_grad_norm=args.max_grad_norm,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        seed=args.seed,
+        bf16=args.bf16,
+        use_cpu=not torch.cuda.is_available(),
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    config = FSDP2Config(
+        defer_gradient_sync=args.defer,
+        hsdp_replicate_size=args.hsdp,
+        auto_wrap_policy=args.wrap,
+        reshard_after_forward=args.reshard,
+        activation_checkpointing=args.ac,
+        min_num_params=1000,
+    )
+    vocab = 96
+    trainer = FSDP2Trainer(
+        model,
+        training_args,
+        fsdp2_config=config,
+        train_dataset=make_dataset(64, vocab),
+        eval_dataset=make_dataset(8 * world, vocab, seed=1),
+        optimizers=optimizers,
+    )
+    result: dict = {"world": world}
+    if args.evaluate_first:
+        result["eval_before"] = trainer.evaluate()["eval_loss"]
+    trainer.train()
+    history = [h for h in trainer.state.log_history if "loss" in h]
+    result["losses"] = [h["loss"] for h in history]
+    result["grad_norms"] = [h["grad_norm"] for h in history]
+    result["eval_after"] = trainer.evaluate()["eval_loss"]
+    if args.generate:
+        prompt = torch.tensor([[5, 6, 7, 8]], device=training_args.device)
+        with torch.no_grad():
+            result["generated"] = trainer.model.generate(prompt, max_new_tokens=5, do_sample=False).tolist()
+    weights = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if int(os.environ.get("RANK", "0")) == 0:
+        torch.save({k: v.float() for k, v in weights.items()}, os.path.join(args.out, "weights.pt"))
+        with open(os.path.join(args.out, "result.json"), "w") as f:
+            json.dump(result, f)
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
