@@ -8,7 +8,7 @@ and the README's configuration reference show the same words.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 import torch
 
@@ -26,7 +26,9 @@ _BOOL_STRINGS = {"true": True, "false": False}
 class FSDP2Config:
     """How `FSDP2Trainer` shards, casts and checkpoints the model."""
 
-    auto_wrap_policy: Union[str, Callable[[torch.nn.Module], bool]] = field(
+    # NOTE: annotated for HfArgumentParser (which drops `str` from unions); in Python a callable
+    # module -> bool is accepted too, and reshard_after_forward takes True/False/int.
+    auto_wrap_policy: WrapPolicy = field(  # type: ignore[assignment]
         default="transformer_based_wrap",
         metadata={
             "help": "Which modules become FSDP units (each all-gathered and freed on its own): "
@@ -46,7 +48,7 @@ class FSDP2Config:
         default=100_000_000,
         metadata={"help": "Parameter count from which a module becomes a unit under 'size_based_wrap'."},
     )
-    reshard_after_forward: Union[bool, int, str] = field(
+    reshard_after_forward: str = field(  # type: ignore[assignment]
         default=True,
         metadata={
             "help": "Free gathered parameters after each unit's forward (True: least memory, gathers again in "

@@ -1,7 +1,8 @@
 """Getting weights into a sharded model without any rank holding more than it must.
 
 Two routes, chosen per model:
-- safetensors on every rank: each rank reads only its own slices (torch DCP's Hugging Face reader);
+- safetensors on every rank: each rank reads only its own slices (torch DCP, with a reader that reads
+  rows in place: see safetensors_reader);
   what the checkpoint lacks (a new head, RoPE buffers) is initialized as `from_pretrained` would.
 - otherwise (a model object, `.bin` files, files only rank 0 can see, keys that need transformers'
   conversion): rank 0's weights are the truth and are broadcast tensor by tensor.
@@ -25,6 +26,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import PreTrainedModel
 
 from .distributed import get_device, is_rank0, log_rank0, raise_if_any_rank, warn_rank0
+from .safetensors_reader import SliceReader
 from .skeleton import (
     PretrainedSource,
     Structure,
@@ -184,7 +186,7 @@ def copy_full_into_shards(model: nn.Module, values: dict[str, torch.Tensor]) -> 
 def read_safetensors_shards(model: nn.Module, path: str, plan: SafetensorsPlan) -> None:
     """Read each rank's slices of every planned tensor straight from the safetensors files."""
     state = {key: _get(model, name) for name, key in plan.keys.items()}
-    dcp.load(state, storage_reader=HuggingFaceStorageReader(path))
+    dcp.load(state, storage_reader=SliceReader(path))
 
 
 @torch.no_grad()
@@ -212,31 +214,36 @@ def _needs_conversion(model: nn.Module) -> Optional[str]:
     return f"{type(model).__name__} needs weight conversions ({len(conversions)})" if conversions else None
 
 
-def choose_route(model: nn.Module) -> tuple[str, Optional[SafetensorsPlan]]:
-    """Pick 'safetensors' when every rank can read the files directly, else 'rank0'."""
+def choose_route(model: nn.Module) -> Optional[SafetensorsPlan]:
+    """Return the plan for reading slices on every rank, or None to broadcast rank 0's weights.
+
+    NOTE: every rank joins the same collective here, even when its own answer is already known, because
+    ranks may disagree (a real object on rank 0, a skeleton elsewhere) and must still agree on the route.
+    """
     source = get_source(model)
+    shapes = safetensors_shapes(source.path) if source is not None else None
     if source is None:
-        return "rank0", None
-    shapes = safetensors_shapes(source.path)
-    reason = _needs_conversion(model) or (None if shapes else f"no *.safetensors in {source.path}")
+        reason = "the model is an object, so rank 0's weights are the truth"
+    else:
+        reason = _needs_conversion(model) or (None if shapes else f"no *.safetensors readable in {source.path}")
     gathered: list[Optional[str]] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, reason)
     reason = next((r for r in gathered if r), None)
     if reason:
         log_rank0("Loading on rank 0 and broadcasting: %s.", reason)
-        return "rank0", None
+        return None
     plan = plan_safetensors_load(model, shapes)
     if plan.missing:
         warn_rank0("Not in the checkpoint, newly initialized: %s", plan.missing)
     if plan.unused:
         log_rank0("Checkpoint tensors the model does not use: %s", plan.unused)
-    return "safetensors", plan
+    return plan
 
 
 def load_sharded(model: nn.Module, shard: ShardFn, offload: bool = False) -> nn.Module:
     """Shard `model` with `shard` and fill every rank's shards with the right weights; verify the result."""
     structure = Structure.of(model)
-    route, plan = choose_route(model)
+    plan = choose_route(model)
     if plan is not None:
         initial = init_missing(model, plan.missing)
         shard(model)

@@ -39,11 +39,13 @@ def from_pretrained(path: str | os.PathLike, auto_class: Any = AutoModelForCausa
     model_kwargs = {k: kwargs[k] for k in _MODEL_KWARGS if k in kwargs}
     config_kwargs = {k: v for k, v in kwargs.items() if k not in _MODEL_KWARGS or k == "trust_remote_code"}
     config = AutoConfig.from_pretrained(path, **config_kwargs)
-    dtype = model_kwargs.pop("dtype", model_kwargs.pop("torch_dtype", None))
-    if isinstance(dtype, str) and dtype != "auto":
+    dtype = model_kwargs.pop("dtype", None) or model_kwargs.pop("torch_dtype", None) or "auto"
+    model_kwargs.pop("torch_dtype", None)
+    if dtype == "auto":
+        # Same default as transformers 5's from_pretrained: the dtype the checkpoint was saved in.
+        dtype = config.dtype or torch.float32
+    if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
-    if dtype is None or dtype == "auto":
-        dtype = config.dtype if dtype == "auto" and config.dtype is not None else torch.float32
     with torch.device("meta"):
         model = auto_class.from_config(config, dtype=dtype, **model_kwargs)
     setattr(model, SOURCE_ATTR, PretrainedSource(path, auto_class, dict(kwargs)))

@@ -52,9 +52,20 @@ def qwen2() -> PreTrainedModel:
 
 
 def gpt2() -> PreTrainedModel:
-    """A GPT-2 (tied head, Conv1D layers, learned positions)."""
+    """A GPT-2 (tied head, Conv1D layers, learned positions), without dropout."""
     config = GPT2Config(
-        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, pad_token_id=0, bos_token_id=1, eos_token_id=2
+        vocab_size=VOCAB,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        n_positions=64,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        # Dropout masks are drawn per rank, so runs with dropout cannot match across world sizes.
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
     )
     return GPT2LMHeadModel(config)
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from datasets import Dataset
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from transformers import AutoModelForCausalLM, TrainingArguments
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, TrainingArguments
 
 from hf_fsdp2 import FSDP2Config, FSDP2Trainer, from_pretrained
 
@@ -35,6 +35,22 @@ def make_dataset(n: int, vocab: int, seed: int = 0) -> Dataset:
     return Dataset.from_dict(rows)
 
 
+def make_pattern_dataset(n: int, vocab: int, seed: int = 0) -> Dataset:
+    """Counting sequences (each token is the previous + 1): learnable in a few steps, so loss must fall."""
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.randint(3, vocab, (n,), generator=g).tolist()
+    ids = [[3 + (s + i) % (vocab - 3) for i in range(SEQ)] for s in starts]
+    return Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * SEQ] * n, "labels": ids})
+
+
+def make_classification_dataset(n: int, vocab: int, seed: int = 0) -> Dataset:
+    """Padded sequences with one of 3 labels per sequence."""
+    g = torch.Generator().manual_seed(seed)
+    rows = make_dataset(n, vocab, seed).to_dict()
+    rows["labels"] = torch.randint(0, 3, (n,), generator=g).tolist()
+    return Dataset.from_dict(rows)
+
+
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True)
@@ -43,7 +59,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--global-batch", type=int, default=4)
     p.add_argument("--grad-accum", type=int, default=2)
     p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--defer", action="store_true")
     p.add_argument("--bf16", action="store_true")
@@ -55,11 +71,15 @@ def parse() -> argparse.Namespace:
     p.add_argument("--evaluate-first", action="store_true")
     p.add_argument("--user-optimizer", action="store_true")
     p.add_argument("--generate", action="store_true")
+    p.add_argument("--task", default="causal", choices=["causal", "classify"])
+    p.add_argument("--data", default="random", choices=["random", "pattern"])
     return p.parse_args()
 
 
 def build_model(args: argparse.Namespace):
     """Hand the trainer a path, a meta skeleton, or a real object (on every rank or only rank 0)."""
+    if args.task == "classify":
+        return from_pretrained(args.model, AutoModelForSequenceClassification, num_labels=3)
     if args.load == "path":
         return args.model
     if args.load == "from_pretrained":
@@ -107,12 +127,14 @@ def main() -> None:
         min_num_params=1000,
     )
     vocab = 96
+    data = make_classification_dataset if args.task == "classify" else make_dataset
+    data = make_pattern_dataset if args.data == "pattern" else data
     trainer = FSDP2Trainer(
         model,
         training_args,
         fsdp2_config=config,
-        train_dataset=make_dataset(64, vocab),
-        eval_dataset=make_dataset(8 * world, vocab, seed=1),
+        train_dataset=data(64, vocab),
+        eval_dataset=data(8 * world, vocab, seed=1),
         optimizers=optimizers,
     )
     result: dict = {"world": world}

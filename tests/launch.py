@@ -1,0 +1,32 @@
+"""Run a worker script as N real processes (torchrun, gloo on CPU) or as one plain process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKERS = os.path.join(ROOT, "tests", "workers")
+
+
+def run(script: str, nproc: int, *args: str, timeout: int = 600, expect_ok: bool = True) -> subprocess.CompletedProcess:
+    """Run tests/workers/`script` on `nproc` ranks (nproc=0: plain python, no torchrun, world size 1)."""
+    path = os.path.join(WORKERS, script)
+    if nproc == 0:
+        command = [sys.executable, path, *args]
+    else:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", path, *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    if expect_ok and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(command)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    return proc
+
+
+def load_result(out: str) -> dict[str, Any]:
+    """Read the result.json rank 0 wrote."""
+    with open(os.path.join(out, "result.json")) as f:
+        return json.load(f)

@@ -1,0 +1,83 @@
+"""Loading logic on one process: key matching, shape errors, and initialization of what a checkpoint lacks
+exactly as single-process `from_pretrained` does it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, GPT2LMHeadModel
+from transformers.trainer_utils import set_seed
+
+from hf_fsdp2 import from_pretrained
+from hf_fsdp2.loading import init_missing, plan_safetensors_load, safetensors_shapes
+
+
+def test_skeleton_reads_no_weights_and_matches_from_pretrained_structure(tiny):
+    skeleton = from_pretrained(tiny("llama_tied"))
+    reference = AutoModelForCausalLM.from_pretrained(tiny("llama_tied"))
+    assert all(p.is_meta for p in skeleton.parameters())
+    assert skeleton.lm_head.weight is skeleton.model.embed_tokens.weight
+    assert {n: p.shape for n, p in skeleton.named_parameters()} == {
+        n: p.shape for n, p in reference.named_parameters()
+    }
+    assert skeleton.dtype == reference.dtype
+
+
+def test_tied_head_is_filled_from_the_embedding_key(tiny):
+    skeleton = from_pretrained(tiny("llama_tied"))
+    plan = plan_safetensors_load(skeleton, safetensors_shapes(tiny("llama_tied")))
+    assert plan.missing == []
+    assert plan.keys["model.embed_tokens.weight"] == "model.embed_tokens.weight"
+    assert "lm_head.weight" not in plan.keys
+
+
+def test_checkpoint_keys_without_the_base_model_prefix_are_matched(tiny, tmp_path):
+    """Original GPT-2 checkpoints store `h.0...` where GPT2LMHeadModel has `transformer.h.0...`."""
+    from safetensors.torch import save_file
+
+    with safe_open(f"{tiny('gpt2')}/model.safetensors", "pt") as f:
+        stripped = {k.removeprefix("transformer."): f.get_tensor(k) for k in f.keys()}
+    save_file(stripped, str(tmp_path / "model.safetensors"))
+    skeleton = from_pretrained(tiny("gpt2"))
+    plan = plan_safetensors_load(skeleton, safetensors_shapes(str(tmp_path)))
+    assert plan.missing == []
+    assert plan.keys["transformer.h.0.attn.c_attn.weight"] == "h.0.attn.c_attn.weight"
+
+
+def test_a_shape_mismatch_names_the_key(tiny):
+    skeleton = from_pretrained(tiny("qwen2"))
+    shapes = safetensors_shapes(tiny("llama"))  # same key names, llama has no attention biases
+    shapes["model.layers.0.mlp.up_proj.weight"] = torch.Size([3, 3])
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.up_proj.weight: the checkpoint's .* has shape \(3, 3\)"):
+        plan_safetensors_load(skeleton, shapes)
+
+
+def test_missing_head_is_initialized_exactly_like_from_pretrained(tiny):
+    set_seed(42)
+    reference = AutoModelForSequenceClassification.from_pretrained(tiny("llama"), num_labels=3)
+    set_seed(42)
+    skeleton = from_pretrained(tiny("llama"), AutoModelForSequenceClassification, num_labels=3)
+    plan = plan_safetensors_load(skeleton, safetensors_shapes(tiny("llama")))
+    assert plan.missing == ["score.weight"]
+    assert "lm_head.weight" in plan.unused
+    values = init_missing(skeleton, plan.missing)
+    assert torch.equal(values["score.weight"], reference.score.weight)
+    for name in ("model.rotary_emb.inv_freq", "model.rotary_emb.original_inv_freq"):
+        assert torch.equal(values[name], reference.get_buffer(name))
+    assert all(p.is_meta for p in skeleton.parameters()), "initialized tensors go back to meta until sharded"
+    assert not hasattr(skeleton.model, "_is_hf_initialized"), "transformers' init flags are cleaned up"
+
+
+def test_models_that_are_not_pretrained_models_cannot_init_missing_tensors():
+    with torch.device("meta"):
+        model = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="not a PreTrainedModel"):
+        init_missing(model, ["weight"])
+
+
+def test_non_gpt2_is_unaffected_by_prefix_logic(tiny):
+    skeleton = from_pretrained(tiny("gpt2"))
+    assert isinstance(skeleton, GPT2LMHeadModel)
+    plan = plan_safetensors_load(skeleton, safetensors_shapes(tiny("gpt2")))
+    assert plan.missing == [] and plan.unused == []

@@ -1,0 +1,107 @@
+"""Every load route on 2 ranks gives exactly the weights and buffers of single-process `from_pretrained`,
+with ties intact; bad input fails on every rank with a message naming the problem (no hang)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+from transformers.trainer_utils import set_seed
+
+from tests.launch import run
+
+
+def load(tmp_path, model: str, *flags: str, nproc: int = 2) -> tuple[dict, dict]:
+    out = str(tmp_path)
+    run("load_worker.py", nproc, "--model", model, "--out", out, *flags)
+    with open(os.path.join(out, "info.json")) as f:
+        return torch.load(os.path.join(out, "state.pt")), json.load(f)
+
+
+def reference(model: str, auto=AutoModelForCausalLM, **kwargs) -> dict[str, torch.Tensor]:
+    set_seed(42)
+    ref = auto.from_pretrained(model, **kwargs)
+    state = dict(ref.state_dict())
+    state.update({f"buffer:{n}": b for n, b in ref.named_buffers()})
+    if ref.get_output_embeddings() is not None and ref.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    return state
+
+
+def assert_exactly(state: dict, ref: dict) -> None:
+    state = {k: v for k, v in state.items() if k in ref}
+    assert state.keys() == ref.keys(), ref.keys() - state.keys()
+    for key, value in ref.items():
+        assert torch.equal(state[key], value.to(state[key].dtype)), f"{key} differs"
+
+
+@pytest.mark.parametrize("route", ["path", "from_pretrained", "object", "object_rank0"])
+@pytest.mark.parametrize("model", ["llama_tied", "gpt2"])
+def test_every_route_loads_exactly_what_from_pretrained_loads(tmp_path, tiny, route, model):
+    state, info = load(tmp_path, tiny(model), "--route", route)
+    assert_exactly(state, reference(tiny(model)))
+    assert info["tied"] and info["sharded"]
+    assert info["num_params"] == len(list(AutoModelForCausalLM.from_pretrained(tiny(model)).parameters()))
+
+
+def test_bin_checkpoints_load_through_rank0_broadcast(tmp_path, tiny):
+    path = tiny("llama", safetensors=False)
+    state, info = load(tmp_path, path, "--route", "from_pretrained")
+    assert_exactly(state, reference(path))
+
+
+def test_sequence_classification_head_missing_from_checkpoint_matches_from_pretrained(tmp_path, tiny):
+    state, info = load(tmp_path, tiny("llama"), "--route", "from_pretrained", "--task", "classify")
+    ref = reference(tiny("llama"), AutoModelForSequenceClassification, num_labels=3)
+    assert "score.weight" in ref
+    assert_exactly(state, ref)
+
+
+def test_hsdp_on_four_ranks_loads_exactly(tmp_path, tiny):
+    state, _ = load(tmp_path, tiny("llama"), "--hsdp", "2", nproc=4)
+    assert_exactly(state, reference(tiny("llama")))
+
+
+def test_bf16_keeps_fp32_masters(tmp_path, tiny):
+    state, info = load(tmp_path, tiny("llama"), "--bf16")
+    assert info["dtypes"] == ["torch.float32"]
+    assert_exactly(state, reference(tiny("llama")))
+
+
+def _fails(tmp_path, model: str, *flags: str, nproc: int = 2) -> str:
+    proc = run("load_worker.py", nproc, "--model", model, "--out", str(tmp_path), *flags, expect_ok=False, timeout=300)
+    assert proc.returncode != 0
+    return proc.stdout + proc.stderr
+
+
+def test_checkpoint_of_another_model_names_the_first_mismatching_key(tmp_path, tiny):
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copy(os.path.join(tiny("llama"), "config.json"), mixed / "config.json")
+    weights = load_file(os.path.join(tiny("llama"), "model.safetensors"))
+    weights["model.layers.1.mlp.up_proj.weight"] = torch.zeros(3, 3)
+    save_file(weights, str(mixed / "model.safetensors"))
+    output = _fails(tmp_path / "out", str(mixed))
+    assert "model.layers.1.mlp.up_proj.weight: the checkpoint's model.layers.1.mlp.up_proj.weight has shape (3, 3)" in output
+
+
+def test_rank0_without_real_weights_is_refused_on_every_rank(tmp_path, tiny):
+    output = _fails(tmp_path, tiny("llama"), "--route", "meta_object")
+    assert "rank 0: rank 0's model has model.embed_tokens.weight on the meta device" in output
+
+
+def test_ranks_with_different_configs_fail_naming_the_rank(tmp_path, tiny):
+    output = _fails(tmp_path, tiny("llama"), "--rank1-min-params", "5")
+    assert "rank 1 has a different FSDP2Config than rank 0" in output
+
+
+def test_hsdp_size_that_does_not_divide_the_world_is_refused(tmp_path, tiny):
+    output = _fails(tmp_path, tiny("llama"), "--hsdp", "3")
+    assert "hsdp_replicate_size=3 does not divide the world size 2" in output

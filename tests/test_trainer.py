@@ -1,0 +1,71 @@
+"""FSDP2Trainer as a Trainer: same numbers as plain Trainer on one process, and clear refusals."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import TrainingArguments
+
+from hf_fsdp2 import FSDP2Config
+from hf_fsdp2.trainer import _loss_uses_num_items, _validate_args, repoint_optimizer
+from tests.launch import load_result, run
+
+
+def test_one_process_matches_plain_trainer(tmp_path, tiny):
+    run("trainer_vs_plain.py", 0, tiny("llama_tied"), str(tmp_path))
+    result = load_result(str(tmp_path))
+    assert len(result["ours"]) == 4
+    for step, (a, b) in enumerate(zip(result["ours"], result["plain"])):
+        assert abs(a - b) <= 1e-5, f"step {step}: {a} vs {b}"
+    assert result["max_weight_diff"] <= 1e-5
+
+
+def args(**kwargs) -> TrainingArguments:
+    return TrainingArguments(output_dir="unused", report_to=[], use_cpu=True, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "model, kwargs, training, config, message",
+    [
+        (None, {}, {}, {}, "FSDP2Trainer needs `model`"),
+        ("m", {"model_init": lambda: None}, {}, {}, "does not support `model_init`"),
+        ("m", {}, {"activation_checkpointing": True}, {"activation_checkpointing": True}, "keep only FSDP2Config's"),
+    ],
+)
+def test_conflicting_arguments_are_refused(model, kwargs, training, config, message):
+    with pytest.raises(ValueError, match=message):
+        _validate_args(model, args(**training), FSDP2Config(**config), kwargs)
+
+
+def test_accelerate_fsdp_is_refused():
+    training = args()
+    training.fsdp = ["full_shard"]
+    with pytest.raises(ValueError, match="FSDP2Trainer shards the model itself"):
+        _validate_args("m", training, FSDP2Config(), {})
+
+
+def test_an_optimizer_over_foreign_parameters_is_refused(tiny):
+    import torch
+
+    model = torch.nn.Linear(2, 2)
+    other = torch.nn.Linear(3, 3)
+    optimizer = torch.optim.SGD(other.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"optimizer parameter #0 \(shape \(3, 3\)\) is not a parameter"):
+        repoint_optimizer(optimizer, {id(p): n for n, p in model.named_parameters()}, model)
+
+
+def test_an_optimizer_is_repointed_by_name():
+    import torch
+
+    before = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(before.parameters(), lr=0.1)
+    names = {id(p): n for n, p in before.named_parameters()}
+    after = torch.nn.Linear(2, 2)  # stands in for the sharded model: new Parameter objects, same names
+    repoint_optimizer(optimizer, names, after)
+    assert optimizer.param_groups[0]["params"][0] is after.weight
+
+
+def test_classification_losses_are_recognized_as_ignoring_num_items(tiny):
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    assert not _loss_uses_num_items(AutoModelForSequenceClassification.from_pretrained(tiny("llama"), num_labels=3))
+    assert _loss_uses_num_items(AutoModelForCausalLM.from_pretrained(tiny("llama")))

@@ -1,0 +1,79 @@
+"""Build an FSDP2Trainer from one of the load routes and dump what every rank ended up with.
+
+Rank 0 writes `state.pt` (full parameters and every buffer, gathered) and `info.json` into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, TrainingArguments
+
+from hf_fsdp2 import FSDP2Config, FSDP2Trainer, from_pretrained
+
+CLASSES = {"causal": AutoModelForCausalLM, "classify": AutoModelForSequenceClassification}
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--route", default="path", choices=["path", "from_pretrained", "object", "object_rank0", "meta_object"])
+    p.add_argument("--task", default="causal", choices=list(CLASSES))
+    p.add_argument("--hsdp", type=int, default=1)
+    p.add_argument("--bf16", action="store_true")
+    p.add_argument("--rank1-min-params", type=int, default=None, help="give rank 1 a different config")
+    return p.parse_args()
+
+
+def build(args: argparse.Namespace, rank: int):
+    kwargs = {"num_labels": 3} if args.task == "classify" else {}
+    auto = CLASSES[args.task]
+    if args.route == "path":
+        return args.model
+    if args.route == "meta_object":
+        # A meta model that does not say where its weights are: nothing can fill it.
+        skeleton = from_pretrained(args.model, auto, **kwargs)
+        delattr(skeleton, "_hf_fsdp2_source")
+        return skeleton
+    if args.route == "from_pretrained" or (args.route == "object_rank0" and rank != 0):
+        return from_pretrained(args.model, auto, **kwargs)
+    return auto.from_pretrained(args.model, **kwargs)
+
+
+def main() -> None:
+    args = parse()
+    rank = int(os.environ.get("RANK", "0"))
+    min_params = args.rank1_min_params if (args.rank1_min_params and rank == 1) else 100_000_000
+    config = FSDP2Config(hsdp_replicate_size=args.hsdp, min_num_params=min_params)
+    training_args = TrainingArguments(
+        output_dir=os.path.join(args.out, "run"), report_to=[], seed=42, bf16=args.bf16, use_cpu=True
+    )
+    trainer = FSDP2Trainer(build(args, rank), training_args, fsdp2_config=config)
+    model = trainer.model
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    buffers = {f"buffer:{name}": b.detach().cpu().clone() for name, b in model.named_buffers()}
+    tied = model.get_output_embeddings() is not None and (
+        model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    )
+    info = {
+        "tied": tied,
+        "num_params": len(list(model.parameters())),
+        "dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+        "sharded": all(type(p).__name__ == "DTensor" for p in model.parameters()),
+    }
+    if rank == 0:
+        torch.save({**state, **buffers}, os.path.join(args.out, "state.pt"))
+        with open(os.path.join(args.out, "info.json"), "w") as f:
+            json.dump(info, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
