@@ -13,7 +13,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .config import FSDP2Config
-from .distributed import build_mesh, check_same_on_all_ranks, init_distributed, log_rank0
+from .distributed import build_mesh, check_same_on_all_ranks, get_device, init_distributed, log_rank0
 from .loading import load_sharded
 from .sharding import mixed_precision_policy, select_units, shard_model, upcast_trainable
 
@@ -22,6 +22,11 @@ def prepare_model(model: nn.Module, config: FSDP2Config, bf16: bool = False, fp1
     """Shard `model` (a meta skeleton or an object with weights) and load every rank's part of its weights."""
     init_distributed()
     check_same_on_all_ranks("FSDP2Config", config.to_summary())
+    if config.cpu_offload and get_device().type == "cpu":
+        raise ValueError(
+            "cpu_offload=True moves shards from an accelerator to host memory, but this machine has no "
+            "accelerator (parameters already live in host memory); remove cpu_offload."
+        )
     mesh = build_mesh(config.hsdp_replicate_size)
     policy = mixed_precision_policy(config, bf16=bf16, fp16=fp16)
     units = select_units(model, config)

@@ -74,3 +74,14 @@ def test_explicit_dtypes_win_over_training_arguments():
 def test_fp16_training_arguments_are_refused_with_the_fix():
     with pytest.raises(ValueError, match="fp16=True.*use bf16=True"):
         mixed_precision_policy(FSDP2Config(), bf16=False, fp16=True)
+
+
+def test_readme_configuration_reference_is_generated_from_the_dataclass():
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = os.path.join(root, "scripts", "config_reference.py")
+    proc = subprocess.run([sys.executable, script, "--check", os.path.join(root, "README.md")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout

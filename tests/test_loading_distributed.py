@@ -105,3 +105,9 @@ def test_ranks_with_different_configs_fail_naming_the_rank(tmp_path, tiny):
 def test_hsdp_size_that_does_not_divide_the_world_is_refused(tmp_path, tiny):
     output = _fails(tmp_path, tiny("llama"), "--hsdp", "3")
     assert "hsdp_replicate_size=3 does not divide the world size 2" in output
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU offload is valid with an accelerator")
+def test_cpu_offload_without_an_accelerator_is_refused(tmp_path, tiny):
+    output = _fails(tmp_path, tiny("llama"), "--offload")
+    assert "cpu_offload=True moves shards from an accelerator to host memory" in output

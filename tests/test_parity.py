@@ -77,6 +77,7 @@ def test_hsdp_four_ranks_match_one_process(out_root, tiny):
         ("--wrap", "no_wrap"),
         ("--wrap", "size_based_wrap"),
         ("--ac",),
+        ("--compile",),
         ("--reshard", "false"),
         ("--evaluate-first",),
         ("--user-optimizer", "--load", "object"),

@@ -27,6 +27,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--task", default="causal", choices=list(CLASSES))
     p.add_argument("--hsdp", type=int, default=1)
     p.add_argument("--bf16", action="store_true")
+    p.add_argument("--offload", action="store_true")
     p.add_argument("--rank1-min-params", type=int, default=None, help="give rank 1 a different config")
     return p.parse_args()
 
@@ -50,7 +51,7 @@ def main() -> None:
     args = parse()
     rank = int(os.environ.get("RANK", "0"))
     min_params = args.rank1_min_params if (args.rank1_min_params and rank == 1) else 100_000_000
-    config = FSDP2Config(hsdp_replicate_size=args.hsdp, min_num_params=min_params)
+    config = FSDP2Config(hsdp_replicate_size=args.hsdp, min_num_params=min_params, cpu_offload=args.offload)
     training_args = TrainingArguments(
         output_dir=os.path.join(args.out, "run"), report_to=[], seed=42, bf16=args.bf16, use_cpu=True
     )

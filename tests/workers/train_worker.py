@@ -67,6 +67,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--wrap", default="transformer_based_wrap")
     p.add_argument("--reshard", default="true")
     p.add_argument("--ac", action="store_true")
+    p.add_argument("--compile", action="store_true")
+    p.add_argument("--offload", action="store_true")
     p.add_argument("--max-grad-norm", type=float, default=1.0)
     p.add_argument("--evaluate-first", action="store_true")
     p.add_argument("--user-optimizer", action="store_true")
@@ -124,6 +126,8 @@ def main() -> None:
         auto_wrap_policy=args.wrap,
         reshard_after_forward=args.reshard,
         activation_checkpointing=args.ac,
+        compile=args.compile,
+        cpu_offload=args.offload,
         min_num_params=1000,
     )
     vocab = 96
