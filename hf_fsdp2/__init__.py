@@ -6,7 +6,9 @@ Read the code in flow order: distributed → skeleton → loading → sharding �
 from .config import FSDP2Config
 from .model import prepare_model
 from .skeleton import from_pretrained
+from .callbacks import ConsolidateCallback
+from .consolidate import consolidate
 from .trainer import FSDP2Trainer
 
-__all__ = ["FSDP2Config", "FSDP2Trainer", "from_pretrained", "prepare_model"]
+__all__ = ["ConsolidateCallback", "FSDP2Config", "FSDP2Trainer", "consolidate", "from_pretrained", "prepare_model"]
 __version__ = "0.1.0"

@@ -105,6 +105,33 @@ class FSDP2Config:
         },
     )
 
+    async_save: bool = field(
+        default=False,
+        metadata={
+            "help": "Write checkpoints in the background: training continues once the state is copied to host "
+            "memory; the next save or the end of training waits for the write. The folder still appears "
+            "under its checkpoint-N name only when complete."
+        },
+    )
+    consolidate_on_train_end: bool = field(
+        default=True,
+        metadata={
+            "help": "At the end of train(), write a from_pretrained-ready folder (model.safetensors, config, "
+            "tokenizer) to TrainingArguments.output_dir (hf_fsdp2.ConsolidateCallback)."
+        },
+    )
+    export_dtype: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "Dtype of exported Hugging Face folders (save_model, end of training), e.g. 'bfloat16' after "
+            "float32 master training. Default: the parameters' own dtype."
+        },
+    )
+    max_shard_size: str = field(
+        default="5GB",
+        metadata={"help": "Largest safetensors file in exported folders (e.g. '5GB', '500MB')."},
+    )
+
     def __post_init__(self) -> None:
         """Normalize CLI strings and reject bad values before any collective runs."""
         self.reshard_after_forward = _parse_reshard(self.reshard_after_forward)
@@ -124,7 +151,7 @@ class FSDP2Config:
             )
         if self.min_num_params < 1:
             raise ValueError(f"min_num_params={self.min_num_params} must be >= 1 (a parameter count).")
-        for name in ("param_dtype", "reduce_dtype"):
+        for name in ("param_dtype", "reduce_dtype", "export_dtype"):
             value = getattr(self, name)
             if value is not None and value not in DTYPES:
                 raise ValueError(f"{name}={value!r} is not valid; choose one of {list(DTYPES)} or leave it None.")
@@ -133,6 +160,9 @@ class FSDP2Config:
                 "float16 is not supported: FSDP2 has no sharded loss scaling here, so float16 gradients "
                 "underflow. Use param_dtype='bfloat16' (TrainingArguments(bf16=True))."
             )
+        from .hf_export import parse_size
+
+        parse_size(self.max_shard_size)
         if not isinstance(self.hsdp_replicate_size, int) or self.hsdp_replicate_size < 1:
             raise ValueError(
                 f"hsdp_replicate_size={self.hsdp_replicate_size!r} must be an int >= 1 "

@@ -15,6 +15,12 @@ This is the only module that knows Trainer/Accelerate internals. Every private h
   and an optimizer built then holds the wrong tensors (tests/test_trainer.py evaluate-then-train).
 - `model_accepts_loss_kwargs`: cleared when the model's loss ignores `num_items_in_batch`, else
   Trainer multiplies such losses by the world size (tests/test_parity.py classification).
+- `_save_checkpoint`: every save is a sharded DCP save under a staging name, renamed when complete
+  (tests/test_checkpoint.py). It reuses `_save_rng_state`, `store_flos` and `_get_output_dir`.
+- `_load_from_checkpoint`, `_load_optimizer_and_scheduler`, `_load_best_model`: DCP loads, any world
+  size (tests/test_checkpoint.py resume cases). `_load_rng_state` is Trainer's own.
+- `_finalize_training`: waits for a pending asynchronous save before training ends.
+- `save_model`: writes a from_pretrained-ready folder, gathering one tensor at a time.
 """
 
 from __future__ import annotations
@@ -26,11 +32,24 @@ from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
+import torch.distributed as dist
 from transformers import Trainer, TrainingArguments
-from transformers.trainer_utils import set_seed
+from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME, TRAINING_ARGS_NAME
+from transformers.trainer_callback import ExportableState
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints, set_seed
 
+from .callbacks import ConsolidateCallback
+from .checkpoint import (
+    begin_checkpoint,
+    commit_checkpoint,
+    load_sharded_model,
+    load_sharded_optimizer,
+    new_async_groups,
+    save_sharded,
+)
 from .config import FSDP2Config
-from .distributed import init_distributed
+from .consolidate import save_pretrained_sharded, write_model_files
+from .distributed import init_distributed, is_rank0
 from .model import clip_grad_norm, prepare_model
 from .sharding import reshard_all
 from .skeleton import from_pretrained
@@ -61,10 +80,20 @@ class FSDP2Trainer(Trainer):
         optimizer, _ = trainer_kwargs.get("optimizers", (None, None))
         if optimizer is not None:
             repoint_optimizer(optimizer, original_names, model)
-        super().__init__(model=model, args=args, **trainer_kwargs)
+        callbacks = list(trainer_kwargs.pop("callbacks", None) or [])
+        if self.fsdp2_config.consolidate_on_train_end and not any(
+            isinstance(c, ConsolidateCallback) or c is ConsolidateCallback for c in callbacks
+        ):
+            callbacks.append(
+                ConsolidateCallback(dtype=self.fsdp2_config.export_dtype, max_shard_size=self.fsdp2_config.max_shard_size)
+            )
+        super().__init__(model=model, args=args, callbacks=callbacks, **trainer_kwargs)
         self.is_distributed_loading_by_transformers = True
         if not _loss_uses_num_items(model):
             self.model_accepts_loss_kwargs = False
+        # NOTE: asynchronous saves run their collectives beside training's, so they get their own groups.
+        self._async_groups = new_async_groups() if self.fsdp2_config.async_save else None
+        self._pending_save: Optional[tuple[list[Any], str, str, str]] = None
 
     def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
         """Leave placement to sharding."""
@@ -99,6 +128,104 @@ class FSDP2Trainer(Trainer):
         """Build the optimizer over the sharded parameters (reshard first: see module docstring)."""
         reshard_all(self.model)
         return super().create_optimizer(model)
+
+    # ---- save: load → shard → train → *save* → consolidate --------------------------------------------
+
+    def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
+        """Write checkpoint-N as a sharded DCP checkpoint under a staging name; rename it when complete."""
+        if self.hp_search_backend is None and trial is None:
+            self.store_flos()
+        run_dir = self._get_output_dir(trial=trial)
+        final = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        self._wait_for_pending_save()
+        staging = begin_checkpoint(final)
+        optimizer = None if self.args.save_only_model else _unwrap_optimizer(self.optimizer)
+        pending = save_sharded(staging, self.model, optimizer, self._async_groups)
+        self._save_checkpoint_files(staging)
+        self._pending_save = (pending, staging, final, run_dir)
+        if not pending:
+            self._wait_for_pending_save()
+
+    def _save_checkpoint_files(self, directory: str) -> None:
+        """Everything beside the DCP folders: RNG (every rank), scheduler, state, args, config, tokenizer."""
+        self._save_rng_state(directory)
+        if not self.args.should_save:
+            return
+        if not self.args.save_only_model and self.lr_scheduler is not None:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(directory, SCHEDULER_NAME))
+        torch.save(self.args, os.path.join(directory, TRAINING_ARGS_NAME))
+        write_model_files(self.model, directory, self.processing_class)
+        for callback in self.callback_handler.callbacks + [self.control]:
+            if isinstance(callback, ExportableState):
+                name = callback.__class__.__name__
+                if isinstance(self.state.stateful_callbacks.get(name), list):
+                    self.state.stateful_callbacks[name].append(callback.state())
+                else:
+                    self.state.stateful_callbacks[name] = callback.state()
+        self.state.save_to_json(os.path.join(directory, TRAINER_STATE_NAME))
+
+    def _wait_for_pending_save(self) -> None:
+        """Finish the last save: wait for its writes, publish it under its name, rotate old checkpoints."""
+        if self._pending_save is None:
+            return
+        pending, staging, final, run_dir = self._pending_save
+        self._pending_save = None
+        for save in pending:
+            getattr(save, "upload_completion", save).result()
+        commit_checkpoint(staging, final)
+        if self.state.best_global_step:
+            best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
+            if os.path.exists(best):
+                self.state.best_model_checkpoint = best
+        if self.args.should_save:
+            rotate_checkpoints(
+                output_dir=run_dir,
+                save_total_limit=self.args.save_total_limit,
+                best_model_checkpoint=self.state.best_model_checkpoint,
+                use_mtime=True,
+            )
+
+    def _finalize_training(self, trial: Any, num_train_samples: int, start_time: float) -> Any:
+        """The end of training waits for an asynchronous save to be complete on disk."""
+        self._wait_for_pending_save()
+        return super()._finalize_training(trial, num_train_samples, start_time)
+
+    def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
+        """Write a from_pretrained-ready folder (weights gathered one tensor at a time, config, tokenizer)."""
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        save_pretrained_sharded(
+            self.model,
+            output_dir,
+            processing_class=self.processing_class,
+            dtype=self.fsdp2_config.export_dtype,
+            max_shard_size=self.fsdp2_config.max_shard_size,
+        )
+        if is_rank0():
+            torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+
+    # ---- resume ----------------------------------------------------------------------------------------
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Optional[nn.Module] = None) -> None:
+        """Load the sharded model from checkpoint-N, whatever world size wrote it."""
+        load_sharded_model(self.model, resume_from_checkpoint)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
+        """Restore optimizer (DCP, resharded) and scheduler state."""
+        if checkpoint is None:
+            return
+        load_sharded_optimizer(self.model, _unwrap_optimizer(self.optimizer), checkpoint)
+        scheduler_file = os.path.join(checkpoint, SCHEDULER_NAME)
+        if self.lr_scheduler is not None and os.path.isfile(scheduler_file):
+            self.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
+
+    def _load_best_model(self) -> None:
+        """Reload the best checkpoint's weights into the sharded model."""
+        load_sharded_model(self.model, self.state.best_model_checkpoint)
+
+
+def _unwrap_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The torch optimizer inside Accelerate's wrapper (DCP's state-dict helpers need the real one)."""
+    return getattr(optimizer, "optimizer", optimizer)
 
 
 def _validate_args(model: Any, args: TrainingArguments, config: FSDP2Config, kwargs: dict[str, Any]) -> None:

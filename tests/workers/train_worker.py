@@ -75,7 +75,35 @@ def parse() -> argparse.Namespace:
     p.add_argument("--generate", action="store_true")
     p.add_argument("--task", default="causal", choices=["causal", "classify"])
     p.add_argument("--data", default="random", choices=["random", "pattern"])
+    p.add_argument("--save-steps", type=int, default=0, help="0: no checkpoints")
+    p.add_argument("--save-total-limit", type=int, default=None)
+    p.add_argument("--resume", default=None, help="a checkpoint path, or 'last'")
+    p.add_argument("--async-save", action="store_true")
+    p.add_argument("--run-dir", default=None, help="output_dir of the run (default OUT/run)")
+    p.add_argument("--kill-in-save", type=int, default=0, help="rank 1 SIGKILLs itself inside its N-th save")
     return p.parse_args()
+
+
+def kill_inside_save(nth: int) -> None:
+    """Make rank 1 die by SIGKILL right after writing its data in the nth DCP save call (mid-checkpoint)."""
+    import signal
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    if int(os.environ.get("RANK", "0")) != 1:
+        return
+    original = FileSystemWriter.write_data
+    calls = {"n": 0}
+
+    def write_then_die(self, plan, planner):
+        future = original(self, plan, planner)
+        calls["n"] += 1
+        if calls["n"] == nth:
+            future.wait()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return future
+
+    FileSystemWriter.write_data = write_then_die
 
 
 def build_model(args: argparse.Namespace):
@@ -102,7 +130,7 @@ def main() -> None:
     if args.user_optimizer:
         optimizers = (torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0), None)
     training_args = TrainingArguments(
-        output_dir=os.path.join(args.out, "run"),
+        output_dir=args.run_dir or os.path.join(args.out, "run"),
         per_device_train_batch_size=per_device,
         per_device_eval_batch_size=per_device,
         gradient_accumulation_steps=args.grad_accum,
@@ -112,7 +140,9 @@ def main() -> None:
         weight_decay=0.0,
         max_grad_norm=args.max_grad_norm,
         logging_steps=1,
-        save_strategy="no",
+        save_strategy="steps" if args.save_steps else "no",
+        save_steps=args.save_steps or 500,
+        save_total_limit=args.save_total_limit,
         report_to=[],
         seed=args.seed,
         bf16=args.bf16,
@@ -129,7 +159,10 @@ def main() -> None:
         compile=args.compile,
         cpu_offload=args.offload,
         min_num_params=1000,
+        async_save=args.async_save,
     )
+    if args.kill_in_save:
+        kill_inside_save(args.kill_in_save)
     vocab = 96
     data = make_classification_dataset if args.task == "classify" else make_dataset
     data = make_pattern_dataset if args.data == "pattern" else data
@@ -144,11 +177,17 @@ def main() -> None:
     result: dict = {"world": world}
     if args.evaluate_first:
         result["eval_before"] = trainer.evaluate()["eval_loss"]
-    trainer.train()
+    resume = True if args.resume == "last" else args.resume
+    trainer.train(resume_from_checkpoint=resume)
     history = [h for h in trainer.state.log_history if "loss" in h]
+    result["steps"] = [h["step"] for h in history]
     result["losses"] = [h["loss"] for h in history]
     result["grad_norms"] = [h["grad_norm"] for h in history]
     result["eval_after"] = trainer.evaluate()["eval_loss"]
+    probe = torch.tensor([[5, 9, 13, 17, 21, 25, 29, 33]], device=training_args.device)
+    trainer.model.eval()
+    with torch.no_grad():
+        result["logits"] = trainer.model(input_ids=probe).logits.float().cpu().tolist()
     if args.generate:
         prompt = torch.tensor([[5, 6, 7, 8]], device=training_args.device)
         with torch.no_grad():

@@ -1,0 +1,35 @@
+"""Thin TrainerCallbacks that decide *when*; `consolidate` and `checkpoint` know *how*."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
+from .consolidate import save_pretrained_sharded
+
+
+class ConsolidateCallback(TrainerCallback):
+    """At the end of training, write the model as a `from_pretrained`-ready folder.
+
+    Args:
+        output_dir: where to write; default `TrainingArguments.output_dir`.
+        dtype: export dtype (e.g. "bfloat16"); default the parameters' own.
+        max_shard_size: largest safetensors file.
+    """
+
+    def __init__(self, output_dir: Optional[str] = None, dtype: Optional[str] = None, max_shard_size: str = "5GB"):
+        self.output_dir = output_dir
+        self.dtype = dtype
+        self.max_shard_size = max_shard_size
+
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        save_pretrained_sharded(
+            kwargs["model"],
+            self.output_dir or args.output_dir,
+            processing_class=kwargs.get("processing_class"),
+            dtype=self.dtype,
+            max_shard_size=self.max_shard_size,
+        )

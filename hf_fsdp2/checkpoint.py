@@ -1,0 +1,256 @@
+"""Sharded checkpoints on disk: every rank writes and reads only its own part (torch DCP).
+
+Layout, compatible with Trainer + Accelerate's sharded FSDP checkpoints (so `accelerate merge-weights`
+and `get_last_checkpoint` work on ours):
+    checkpoint-N/pytorch_model_fsdp_0/   DCP, state under "model" (tied weights stored once)
+    checkpoint-N/optimizer_0/            DCP, state under "optimizer"
+A checkpoint is written under a hidden staging name and renamed once every rank has finished, so a folder
+named checkpoint-N is always complete. This module knows nothing about the Trainer.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+
+from .distributed import is_rank0
+from .skeleton import tie_groups
+
+MODEL_DIR = "pytorch_model_fsdp_0"
+OPTIMIZER_DIR = "optimizer_0"
+MODEL_KEY = "model"
+OPTIMIZER_KEY = "optimizer"
+METADATA_FILE = ".metadata"
+_SAFE_BUILTINS = {"dict", "list", "tuple", "set", "frozenset", "slice", "int", "float", "bool", "str", "bytes"}
+# Globals that real DCP metadata references besides its own classes (seen in torch 2.13 checkpoints).
+_SAFE_GLOBALS = {
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+    ("collections", "OrderedDict"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickle DCP metadata, refusing every class that DCP metadata does not consist of."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        allowed = (
+            module.startswith("torch.distributed.checkpoint.")
+            or (module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)))
+            or (module == "builtins" and name in _SAFE_BUILTINS)
+            or (module, name) in _SAFE_GLOBALS
+        )
+        if not allowed:
+            raise pickle.UnpicklingError(f"refusing to unpickle {module}.{name} from checkpoint metadata")
+        return super().find_class(module, name)
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """DCP's file reader, but its `.metadata` is unpickled with an allowlist instead of plain pickle."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as stream:
+            metadata = _MetadataUnpickler(stream).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The sharded model state to save or load into, with each tied weight once (under its first name)."""
+    state = get_model_state_dict(model)
+    for names in tie_groups(model):
+        for duplicate in names[1:]:
+            state.pop(duplicate, None)
+    return state
+
+
+def model_dir(checkpoint: str) -> str:
+    """Return the folder holding the model's DCP files: `checkpoint-N/pytorch_model_fsdp_0` or itself."""
+    if os.path.isfile(os.path.join(checkpoint, METADATA_FILE)):
+        return checkpoint
+    return os.path.join(checkpoint, MODEL_DIR)
+
+
+def validate_checkpoint(checkpoint: str) -> str:
+    """Return the model DCP folder of `checkpoint`, or raise ValueError saying what is wrong with it."""
+    if not os.path.isdir(checkpoint):
+        raise ValueError(f"{checkpoint} is not a directory; pass a checkpoint-N folder or its {MODEL_DIR}.")
+    directory = model_dir(checkpoint)
+    if not os.path.isdir(directory):
+        found = sorted(os.listdir(checkpoint))[:10]
+        raise ValueError(
+            f"{checkpoint} is not a sharded checkpoint: it has no {MODEL_DIR}/ (found {found}). Pass a "
+            "checkpoint-N folder written by FSDP2Trainer or by Trainer + Accelerate with SHARDED_STATE_DICT."
+        )
+    if not os.path.isfile(os.path.join(directory, METADATA_FILE)):
+        raise ValueError(
+            f"{directory} has no {METADATA_FILE}: the checkpoint is incomplete or corrupted (its save did not "
+            "finish). Use an earlier checkpoint."
+        )
+    return directory
+
+
+def read_metadata(directory: str) -> Metadata:
+    """Read a DCP folder's metadata safely."""
+    return SafeFileSystemReader(directory).read_metadata()
+
+
+def check_compatible(metadata: Metadata, state: dict[str, torch.Tensor], prefix: str) -> None:
+    """Raise ValueError naming the first tensor the checkpoint lacks or holds with another shape."""
+    stored = metadata.state_dict_metadata
+    for name, tensor in state.items():
+        key = f"{prefix}.{name}"
+        if key not in stored:
+            raise ValueError(
+                f"the checkpoint has no {name}: it was saved from another model (first stored keys: "
+                f"{sorted(stored)[:3]})."
+            )
+        size = getattr(stored[key], "size", None)
+        if size is not None and tuple(size) != tuple(tensor.shape):
+            raise ValueError(
+                f"{name} has shape {tuple(size)} in the checkpoint but {tuple(tensor.shape)} in the model: "
+                "the checkpoint was saved from another model or config."
+            )
+
+
+def staging_dir(final: str) -> str:
+    """The hidden name a checkpoint is written under; `get_last_checkpoint` and rotation never see it."""
+    parent, name = os.path.split(os.path.abspath(final))
+    return os.path.join(parent, f".{name}.incomplete")
+
+
+def begin_checkpoint(final: str) -> str:
+    """Create a fresh staging folder for `final` (dropping a stale one a crash left behind)."""
+    staging = staging_dir(final)
+    if is_rank0():
+        shutil.rmtree(staging, ignore_errors=True)
+        os.makedirs(staging)
+    dist.barrier()
+    return staging
+
+
+def commit_checkpoint(staging: str, final: str) -> None:
+    """Give the staging folder its final name once every rank has written its part.
+
+    NOTE: collective; call on every rank. The rename is atomic, so `final` is either absent, the previous
+    complete checkpoint, or the new complete one.
+    """
+    dist.barrier()
+    if is_rank0():
+        _fsync_tree(staging)
+        if os.path.exists(final):
+            # Saving the same step again (e.g. at the end of training): swap, then drop the old one.
+            old = staging_dir(final) + ".old"
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+            os.replace(staging, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(staging, final)
+        _fsync_dir(os.path.dirname(os.path.abspath(final)))
+    dist.barrier()
+
+
+def _fsync_tree(root: str) -> None:
+    """Flush every file under `root` to disk before the rename makes it visible."""
+    for folder, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(folder, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(folder)
+
+
+def _fsync_dir(folder: str) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def new_async_groups() -> dict[str, dist.ProcessGroup]:
+    """One gloo group per part written asynchronously.
+
+    NOTE: each `dcp.async_save` runs its collectives in its own thread; sharing a group between the model
+    and optimizer saves (or with training) lets them interleave differently on each rank and deadlock.
+    """
+    return {MODEL_DIR: dist.new_group(backend="gloo"), OPTIMIZER_DIR: dist.new_group(backend="gloo")}
+
+
+def save_sharded(
+    directory: str,
+    model: nn.Module,
+    optimizer: Optional[torch.optim.Optimizer],
+    async_groups: Optional[dict[str, dist.ProcessGroup]] = None,
+) -> list[Any]:
+    """Write this rank's part of the model (and optimizer) under `directory`.
+
+    With `async_groups` (from `new_async_groups`) the state is copied to host memory now and written in
+    the background; the returned futures finish when it is on disk. Otherwise it returns [] when written.
+    """
+    pending = []
+    parts = [(MODEL_DIR, {MODEL_KEY: model_state_dict(model)})]
+    if optimizer is not None:
+        parts.append((OPTIMIZER_DIR, {OPTIMIZER_KEY: get_optimizer_state_dict(model, optimizer)}))
+    for folder, state in parts:
+        writer = FileSystemWriter(os.path.join(directory, folder))
+        if async_groups is not None:
+            pending.append(dcp.async_save(state, storage_writer=writer, process_group=async_groups[folder]))
+        else:
+            dcp.save(state, storage_writer=writer)
+    return pending
+
+
+def load_sharded_model(model: nn.Module, checkpoint: str) -> None:
+    """Fill the sharded model in place from a checkpoint (any world size: DCP reshards)."""
+    directory = validate_checkpoint(checkpoint)
+    state = model_state_dict(model)
+    check_compatible(read_metadata(directory), state, MODEL_KEY)
+    _load({MODEL_KEY: state}, directory)
+
+
+def load_sharded_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, checkpoint: str) -> None:
+    """Restore the optimizer state of the sharded parameters from a checkpoint."""
+    directory = os.path.join(checkpoint, OPTIMIZER_DIR)
+    if not os.path.isfile(os.path.join(directory, METADATA_FILE)):
+        raise ValueError(
+            f"{checkpoint} has no complete {OPTIMIZER_DIR}/ to resume the optimizer from (saved with "
+            "save_only_model=True?). Resume from a full checkpoint, or load only the weights."
+        )
+    state = get_optimizer_state_dict(model, optimizer)
+    _load({OPTIMIZER_KEY: state}, directory)
+    set_optimizer_state_dict(model, optimizer, state)
+
+
+def _load(state: dict[str, Any], directory: str) -> None:
+    """DCP-load in place, turning a read failure into an error that names the folder."""
+    try:
+        dcp.load(state, storage_reader=SafeFileSystemReader(directory))
+    except dcp.api.CheckpointException as error:
+        raise ValueError(
+            f"could not read the checkpoint in {directory}: it is corrupted (a truncated or missing .distcp "
+            f"file?). Use an earlier checkpoint. Details: {error}"
+        ) from error

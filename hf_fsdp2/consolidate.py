@@ -1,0 +1,155 @@
+"""Hugging Face folders that `from_pretrained` loads, written tensor by tensor: offline from a sharded
+checkpoint (`consolidate`, the CLI) or from the live sharded model (`save_pretrained_sharded`, used by
+`FSDP2Trainer.save_model` and the end-of-training callback). Peak memory is one full tensor, not the model.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.tensor import DTensor
+
+from .checkpoint import MODEL_KEY, SafeFileSystemReader, model_state_dict, read_metadata, validate_checkpoint
+from .config import resolve_dtype
+from .distributed import is_rank0
+from .hf_export import TensorSpec, prepare_output, publish, write_weights
+
+# Files beside the weights that make a folder loadable (config) and usable (generation, tokenizer).
+MODEL_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+def _export_dtype(stored: torch.dtype, dtype: Optional[torch.dtype]) -> torch.dtype:
+    """Cast floating tensors to the requested dtype; leave integer and bool tensors alone."""
+    return dtype if dtype is not None and stored.is_floating_point else stored
+
+
+def consolidate(
+    checkpoint_dir: str,
+    output_dir: str,
+    max_shard_size: str | int = "5GB",
+    dtype: Optional[str] = None,
+    overwrite: bool = False,
+) -> str:
+    """Turn a sharded checkpoint (ours or Trainer + Accelerate's) into a `from_pretrained`-ready folder."""
+    directory = validate_checkpoint(checkpoint_dir)
+    target = resolve_dtype(dtype)
+    stored = {
+        key[len(MODEL_KEY) + 1 :]: md
+        for key, md in read_metadata(directory).state_dict_metadata.items()
+        if key.startswith(MODEL_KEY + ".") and isinstance(md, TensorStorageMetadata)
+    }
+    if not stored:
+        raise ValueError(f"{directory} holds no model tensors (is it an optimizer_0 folder?).")
+    source = _model_files_dir(checkpoint_dir, directory)
+    specs = [TensorSpec(k, tuple(md.size), _export_dtype(md.properties.dtype, target)) for k, md in stored.items()]
+    staging = prepare_output(output_dir, overwrite)
+    reader = SafeFileSystemReader(directory)
+
+    def fetch(spec: TensorSpec) -> torch.Tensor:
+        tensor = torch.empty(spec.shape, dtype=stored[spec.name].properties.dtype)
+        dcp.load({MODEL_KEY: {spec.name: tensor}}, storage_reader=reader, no_dist=True)
+        return tensor
+
+    try:
+        write_weights(staging, specs, fetch, max_shard_size)
+        _copy_model_files(source, staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    publish(staging, output_dir)
+    return output_dir
+
+
+def _model_files_dir(checkpoint_dir: str, directory: str) -> str:
+    """Find config.json: in the checkpoint-N folder (ours, or when given its pytorch_model_fsdp_0)."""
+    for candidate in (checkpoint_dir, os.path.dirname(os.path.abspath(directory))):
+        if os.path.isfile(os.path.join(candidate, "config.json")):
+            return candidate
+    raise ValueError(
+        f"no config.json beside {directory}; from_pretrained needs it. Copy the model's config.json "
+        "into the checkpoint folder and run again."
+    )
+
+
+def _copy_model_files(source: str, destination: str, dtype: Optional[torch.dtype]) -> None:
+    """Copy config/generation/tokenizer files, recording the export dtype in config.json."""
+    for name in MODEL_FILES:
+        if os.path.isfile(os.path.join(source, name)):
+            shutil.copy2(os.path.join(source, name), os.path.join(destination, name))
+    if dtype is not None:
+        _set_config_dtype(os.path.join(destination, "config.json"), dtype)
+
+
+def _set_config_dtype(path: str, dtype: torch.dtype) -> None:
+    """Make `from_pretrained(dtype="auto")` load the weights in the dtype they were written in."""
+    with open(path) as f:
+        config = json.load(f)
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    with open(path, "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+
+
+def write_model_files(model: nn.Module, directory: str, processing_class: Any = None) -> None:
+    """Write config, generation config and tokenizer files of `model` (rank 0 only)."""
+    config = getattr(model, "config", None)
+    if config is not None:
+        config = copy.deepcopy(config)
+        config.architectures = [type(model).__name__]
+        config.save_pretrained(directory)
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is not None and getattr(model, "can_generate", lambda: False)():
+        generation_config.save_pretrained(directory)
+    if processing_class is not None and hasattr(processing_class, "save_pretrained"):
+        processing_class.save_pretrained(directory)
+
+
+def save_pretrained_sharded(
+    model: nn.Module,
+    output_dir: str,
+    processing_class: Any = None,
+    dtype: Optional[str] = None,
+    max_shard_size: str | int = "5GB",
+) -> None:
+    """Write the live sharded model as a Hugging Face folder, gathering one tensor at a time.
+
+    NOTE: collective; every rank must call it. Only rank 0 holds a full tensor, one at a time, and writes.
+    """
+    target = resolve_dtype(dtype)
+    state = model_state_dict(model)
+    specs = [TensorSpec(name, tuple(t.shape), _export_dtype(t.dtype, target)) for name, t in state.items()]
+    staging = prepare_output(output_dir, overwrite=True) if is_rank0() else ""
+
+    def fetch(spec: TensorSpec) -> Optional[torch.Tensor]:
+        tensor = state[spec.name]
+        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        return full if is_rank0() else None
+
+    write_weights(staging, specs, fetch, max_shard_size, write=is_rank0())
+    if is_rank0():
+        write_model_files(model, staging, processing_class)
+        if target is not None:
+            _set_config_dtype(os.path.join(staging, "config.json"), target)
+        publish(staging, output_dir)
+    dist.barrier()

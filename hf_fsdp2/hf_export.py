@@ -1,0 +1,186 @@
+"""Writing Hugging Face model folders tensor by tensor: safetensors files (+ index) and config files.
+
+Memory stays bounded by the largest tensor: every file's header is written from shapes and dtypes known
+up front, then each tensor's bytes are appended as it arrives. The folder is written under a staging
+name and renamed when complete. Knows nothing about DCP or sharding: tensors come from a callback.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import struct
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional
+
+import torch
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
+
+SAFE_WEIGHTS = "model.safetensors"
+SAFE_INDEX = "model.safetensors.index.json"
+_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A tensor to write: its name in the output, global shape and output dtype."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def parse_size(size: str | int) -> int:
+    """Turn '5GB', '500MB' or a byte count into bytes."""
+    if isinstance(size, int):
+        return size
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B)\s*", size.upper())
+    if not match:
+        raise ValueError(f"max_shard_size={size!r} is not a size; use e.g. '5GB', '500MB' or a number of bytes.")
+    return int(float(match.group(1)) * _UNITS[match.group(2)])
+
+
+def plan_files(specs: list[TensorSpec], max_shard_bytes: int) -> list[list[TensorSpec]]:
+    """Group tensors, in order, into files of at most `max_shard_bytes` (a larger tensor gets its own)."""
+    files: list[list[TensorSpec]] = [[]]
+    size = 0
+    for spec in specs:
+        if files[-1] and size + spec.nbytes > max_shard_bytes:
+            files.append([])
+            size = 0
+        files[-1].append(spec)
+        size += spec.nbytes
+    return files
+
+
+def file_names(count: int) -> list[str]:
+    """`model.safetensors`, or `model-0000i-of-0000n.safetensors` for several files."""
+    if count == 1:
+        return [SAFE_WEIGHTS]
+    return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+
+
+def _header(specs: list[TensorSpec]) -> bytes:
+    """The safetensors header for these tensors, in this order, padded to 8 bytes."""
+    entries: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for spec in specs:
+        if spec.dtype not in _DTYPES:
+            raise ValueError(f"{spec.name} has dtype {spec.dtype}, which safetensors cannot store.")
+        entries[spec.name] = {"dtype": _DTYPES[spec.dtype], "shape": list(spec.shape), "data_offsets": [offset, offset + spec.nbytes]}
+        offset += spec.nbytes
+    header = json.dumps(entries, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)
+    return struct.pack("<Q", len(header)) + header
+
+
+class SafetensorsStream:
+    """Write one safetensors file whose tensors arrive one at a time, in the planned order."""
+
+    def __init__(self, path: str, specs: list[TensorSpec]) -> None:
+        self.specs = specs
+        self.next = 0
+        self.file = open(path, "wb")
+        self.file.write(_header(specs))
+
+    def write(self, tensor: torch.Tensor) -> None:
+        """Append the next planned tensor's bytes (cast to the planned dtype)."""
+        spec = self.specs[self.next]
+        if tuple(tensor.shape) != spec.shape:
+            raise RuntimeError(f"{spec.name}: got shape {tuple(tensor.shape)}, planned {spec.shape}")
+        data = tensor.detach().to("cpu", spec.dtype).contiguous().reshape(-1)
+        self.file.write(data.view(torch.uint8).numpy().tobytes())
+        self.next += 1
+
+    def close(self) -> None:
+        if self.next != len(self.specs):
+            raise RuntimeError(f"only {self.next} of {len(self.specs)} tensors were written")
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+
+
+def write_weights(
+    directory: str,
+    specs: list[TensorSpec],
+    fetch: Callable[[TensorSpec], Optional[torch.Tensor]],
+    max_shard_size: str | int = "5GB",
+    write: bool = True,
+) -> None:
+    """Stream every tensor through `fetch` into safetensors files under `directory` (+ index if several).
+
+    `fetch` is called for every spec, in order, even where `write` is False: it may be a collective that
+    every rank must join (gathering one sharded tensor), while only the writing rank keeps the result.
+    """
+    groups = plan_files(specs, parse_size(max_shard_size))
+    names = file_names(len(groups))
+    progress = logging.tqdm(total=len(specs), desc="Writing weights", disable=not write or len(specs) < 50)
+    for name, group in zip(names, groups):
+        stream = SafetensorsStream(os.path.join(directory, name), group) if write else None
+        for spec in group:
+            tensor = fetch(spec)
+            if stream is not None:
+                stream.write(tensor)
+            progress.update(1)
+        if stream is not None:
+            stream.close()
+    progress.close()
+    if write and len(groups) > 1:
+        weight_map = {spec.name: name for name, group in zip(names, groups) for spec in group}
+        index = {"metadata": {"total_size": sum(s.nbytes for s in specs)}, "weight_map": weight_map}
+        with open(os.path.join(directory, SAFE_INDEX), "w") as f:
+            json.dump(index, f, indent=2, sort_keys=True)
+
+
+def prepare_output(output_dir: str, overwrite: bool) -> str:
+    """Refuse a non-empty output folder unless `overwrite`; return the staging folder to write into."""
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise ValueError(f"{output_dir} exists and is not a directory.")
+    if os.path.isdir(output_dir) and os.listdir(output_dir) and not overwrite:
+        raise ValueError(f"{output_dir} exists and is not empty; choose another folder or pass --overwrite.")
+    staging = os.path.join(os.path.dirname(os.path.abspath(output_dir)), f".{os.path.basename(output_dir)}.incomplete")
+    shutil.rmtree(staging, ignore_errors=True)
+    os.makedirs(staging)
+    return staging
+
+
+def publish(staging: str, output_dir: str) -> None:
+    """Move a finished export into place; with an existing folder, replace only the files we wrote."""
+    if not os.path.isdir(output_dir) or not os.listdir(output_dir):
+        shutil.rmtree(output_dir, ignore_errors=True)
+        os.replace(staging, output_dir)
+        return
+    for stale in _weight_files(output_dir):
+        os.remove(os.path.join(output_dir, stale))
+    for name in os.listdir(staging):
+        os.replace(os.path.join(staging, name), os.path.join(output_dir, name))
+    os.rmdir(staging)
+
+
+def _weight_files(directory: str) -> Iterable[str]:
+    """Weight files of a previous export, which a new one must not leave behind."""
+    pattern = re.compile(r"^(model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json)$")
+    return [name for name in os.listdir(directory) if pattern.match(name)]
