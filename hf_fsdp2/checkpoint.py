@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -20,6 +21,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -112,7 +115,10 @@ def validate_checkpoint(checkpoint: str) -> str:
 
 def read_metadata(directory: str) -> Metadata:
     """Read a DCP folder's metadata safely."""
-    return SafeFileSystemReader(directory).read_metadata()
+    try:
+        return SafeFileSystemReader(directory).read_metadata()
+    except (pickle.UnpicklingError, EOFError, AttributeError) as error:
+        raise ValueError(f"{directory}/{METADATA_FILE} is not valid DCP metadata: {error}") from error
 
 
 def check_compatible(metadata: Metadata, state: dict[str, torch.Tensor], prefix: str) -> None:
@@ -191,25 +197,37 @@ def _fsync_dir(folder: str) -> None:
         os.close(fd)
 
 
-def new_async_groups() -> dict[str, dist.ProcessGroup]:
-    """One gloo group per part written asynchronously.
+class AsyncSaver:
+    """What asynchronous saves keep between checkpoints: a gloo group and a host-memory stager per part.
 
     NOTE: each `dcp.async_save` runs its collectives in its own thread; sharing a group between the model
     and optimizer saves (or with training) lets them interleave differently on each rank and deadlock.
+    The stagers cache their host buffers, so after the first save staging is a copy, not an allocation.
     """
-    return {MODEL_DIR: dist.new_group(backend="gloo"), OPTIMIZER_DIR: dist.new_group(backend="gloo")}
+
+    def __init__(self) -> None:
+        pinned = torch.cuda.is_available()
+        self.groups = {part: dist.new_group(backend="gloo") for part in (MODEL_DIR, OPTIMIZER_DIR)}
+        self.stagers = {
+            part: DefaultStager(StagingOptions(pinned, False, False, False)) for part in (MODEL_DIR, OPTIMIZER_DIR)
+        }
+
+    def close(self) -> None:
+        """Free the cached host buffers."""
+        for stager in self.stagers.values():
+            stager.close()
 
 
 def save_sharded(
     directory: str,
     model: nn.Module,
     optimizer: Optional[torch.optim.Optimizer],
-    async_groups: Optional[dict[str, dist.ProcessGroup]] = None,
+    saver: Optional[AsyncSaver] = None,
 ) -> list[Any]:
     """Write this rank's part of the model (and optimizer) under `directory`.
 
-    With `async_groups` (from `new_async_groups`) the state is copied to host memory now and written in
-    the background; the returned futures finish when it is on disk. Otherwise it returns [] when written.
+    With an `AsyncSaver` the state is copied to host memory now and written in the background; the
+    returned futures finish when it is on disk. Otherwise it returns [] once written.
     """
     pending = []
     parts = [(MODEL_DIR, {MODEL_KEY: model_state_dict(model)})]
@@ -217,8 +235,12 @@ def save_sharded(
         parts.append((OPTIMIZER_DIR, {OPTIMIZER_KEY: get_optimizer_state_dict(model, optimizer)}))
     for folder, state in parts:
         writer = FileSystemWriter(os.path.join(directory, folder))
-        if async_groups is not None:
-            pending.append(dcp.async_save(state, storage_writer=writer, process_group=async_groups[folder]))
+        if saver is not None:
+            pending.append(
+                dcp.async_save(
+                    state, storage_writer=writer, process_group=saver.groups[folder], async_stager=saver.stagers[folder]
+                )
+            )
         else:
             dcp.save(state, storage_writer=writer)
     return pending
@@ -229,7 +251,7 @@ def load_sharded_model(model: nn.Module, checkpoint: str) -> None:
     directory = validate_checkpoint(checkpoint)
     state = model_state_dict(model)
     check_compatible(read_metadata(directory), state, MODEL_KEY)
-    _load({MODEL_KEY: state}, directory)
+    load_in_place({MODEL_KEY: state}, directory)
 
 
 def load_sharded_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, checkpoint: str) -> None:
@@ -241,15 +263,18 @@ def load_sharded_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, c
             "save_only_model=True?). Resume from a full checkpoint, or load only the weights."
         )
     state = get_optimizer_state_dict(model, optimizer)
-    _load({OPTIMIZER_KEY: state}, directory)
+    load_in_place({OPTIMIZER_KEY: state}, directory)
     set_optimizer_state_dict(model, optimizer, state)
 
 
-def _load(state: dict[str, Any], directory: str) -> None:
-    """DCP-load in place, turning a read failure into an error that names the folder."""
+def load_in_place(state: dict[str, Any], directory: str) -> None:
+    """DCP-load into `state`'s tensors, turning any read failure into an error that names the folder."""
     try:
-        dcp.load(state, storage_reader=SafeFileSystemReader(directory))
-    except dcp.api.CheckpointException as error:
+        with warnings.catch_warnings():
+            # Offline (no process group) a single-process load is exactly the intent.
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, storage_reader=SafeFileSystemReader(directory), no_dist=not dist.is_initialized())
+    except (Exception, CheckpointException) as error:  # CheckpointException is a BaseException.
         raise ValueError(
             f"could not read the checkpoint in {directory}: it is corrupted (a truncated or missing .distcp "
             f"file?). Use an earlier checkpoint. Details: {error}"

@@ -13,12 +13,11 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
-from .checkpoint import MODEL_KEY, SafeFileSystemReader, model_state_dict, read_metadata, validate_checkpoint
+from .checkpoint import MODEL_KEY, load_in_place, model_state_dict, read_metadata, validate_checkpoint
 from .config import resolve_dtype
 from .distributed import is_rank0
 from .hf_export import TensorSpec, prepare_output, publish, write_weights
@@ -65,11 +64,10 @@ def consolidate(
     source = _model_files_dir(checkpoint_dir, directory)
     specs = [TensorSpec(k, tuple(md.size), _export_dtype(md.properties.dtype, target)) for k, md in stored.items()]
     staging = prepare_output(output_dir, overwrite)
-    reader = SafeFileSystemReader(directory)
 
     def fetch(spec: TensorSpec) -> torch.Tensor:
         tensor = torch.empty(spec.shape, dtype=stored[spec.name].properties.dtype)
-        dcp.load({MODEL_KEY: {spec.name: tensor}}, storage_reader=reader, no_dist=True)
+        load_in_place({MODEL_KEY: {spec.name: tensor}}, directory)
         return tensor
 
     try:

@@ -40,11 +40,11 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from .callbacks import ConsolidateCallback
 from .checkpoint import (
+    AsyncSaver,
     begin_checkpoint,
     commit_checkpoint,
     load_sharded_model,
     load_sharded_optimizer,
-    new_async_groups,
     save_sharded,
 )
 from .config import FSDP2Config
@@ -91,8 +91,7 @@ class FSDP2Trainer(Trainer):
         self.is_distributed_loading_by_transformers = True
         if not _loss_uses_num_items(model):
             self.model_accepts_loss_kwargs = False
-        # NOTE: asynchronous saves run their collectives beside training's, so they get their own groups.
-        self._async_groups = new_async_groups() if self.fsdp2_config.async_save else None
+        self._async_saver: Optional[AsyncSaver] = None
         self._pending_save: Optional[tuple[list[Any], str, str, str]] = None
 
     def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
@@ -140,7 +139,9 @@ class FSDP2Trainer(Trainer):
         self._wait_for_pending_save()
         staging = begin_checkpoint(final)
         optimizer = None if self.args.save_only_model else _unwrap_optimizer(self.optimizer)
-        pending = save_sharded(staging, self.model, optimizer, self._async_groups)
+        if self.fsdp2_config.async_save and self._async_saver is None:
+            self._async_saver = AsyncSaver()  # NOTE: creates process groups: a collective, as is every save.
+        pending = save_sharded(staging, self.model, optimizer, self._async_saver)
         self._save_checkpoint_files(staging)
         self._pending_save = (pending, staging, final, run_dir)
         if not pending:
@@ -188,6 +189,9 @@ class FSDP2Trainer(Trainer):
     def _finalize_training(self, trial: Any, num_train_samples: int, start_time: float) -> Any:
         """The end of training waits for an asynchronous save to be complete on disk."""
         self._wait_for_pending_save()
+        if self._async_saver is not None:
+            self._async_saver.close()
+            self._async_saver = None
         return super()._finalize_training(trial, num_train_samples, start_time)
 
     def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:

@@ -1,0 +1,145 @@
+"""Checkpoint costs on a ~100M-parameter model: time the training loop is blocked per save (sync vs
+async_save), bytes on disk, and consolidation's peak memory and time against `accelerate merge-weights`.
+
+Usage (CPU, 2 ranks):
+    python scripts/measure_checkpoint.py [--nproc 2] [--saves 3] [--json out.json]
+
+Peak memory is VmHWM above the VmHWM right after imports, in a fresh process per tool.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from measure_load_memory import MIB, build_model, vm_kib  # noqa: E402
+
+
+def train_worker(args: argparse.Namespace) -> None:
+    """One rank: train `saves` steps saving after each; record how long each save blocked the loop."""
+    import torch
+    import torch.distributed as dist
+    from datasets import Dataset
+    from transformers import TrainingArguments
+
+    from hf_fsdp2 import FSDP2Config, FSDP2Trainer
+
+    ids = torch.randint(0, 16000, (64, 64), generator=torch.Generator().manual_seed(0)).tolist()
+    data = Dataset.from_dict({"input_ids": ids, "labels": ids})
+    targs = TrainingArguments(
+        output_dir=args.run_dir, per_device_train_batch_size=1, max_steps=args.saves, save_steps=1,
+        report_to=[], use_cpu=True, disable_tqdm=True, logging_steps=1000,
+    )
+    config = FSDP2Config(async_save=args.mode == "async", consolidate_on_train_end=False)
+    trainer = FSDP2Trainer(args.model_path, targs, fsdp2_config=config, train_dataset=data)
+    blocked: list[float] = []
+    original = trainer._save_checkpoint
+
+    def timed(model, trial):
+        start = time.perf_counter()
+        original(model, trial)
+        blocked.append(time.perf_counter() - start)
+
+    trainer._save_checkpoint = timed
+    start = time.perf_counter()
+    trainer.train()
+    total = time.perf_counter() - start
+    if dist.get_rank() == 0:
+        with open(args.result, "w") as f:
+            json.dump({"blocked_s": blocked, "train_s": total}, f)
+    dist.destroy_process_group()
+
+
+def consolidate_worker(args: argparse.Namespace) -> None:
+    """Run one consolidation tool in this fresh process and report its peak memory above imports."""
+    if args.tool == "hf_fsdp2":
+        from hf_fsdp2 import consolidate as run
+    else:
+        from accelerate.utils import merge_fsdp_weights
+
+        def run(checkpoint: str, output: str) -> None:
+            merge_fsdp_weights(os.path.join(checkpoint, "pytorch_model_fsdp_0"), output)
+
+    baseline = vm_kib("VmHWM")
+    start = time.perf_counter()
+    run(args.checkpoint, args.output)
+    seconds = time.perf_counter() - start
+    with open(args.result, "w") as f:
+        json.dump({"peak_mib": (vm_kib("VmHWM") - baseline) / 1024, "seconds": seconds}, f)
+
+
+def folder_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
+def run_json(command: list[str], result: str) -> dict:
+    subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL)
+    with open(result) as f:
+        return json.load(f)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--saves", type=int, default=3)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--workdir", default="/tmp/hf_fsdp2_memory")
+    parser.add_argument("--json", default=None)
+    for hidden in ("--worker", "--mode", "--model-path", "--run-dir", "--result", "--tool", "--checkpoint", "--output"):
+        parser.add_argument(hidden, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker == "train":
+        args.saves = int(args.saves)
+        return train_worker(args)
+    if args.worker == "consolidate":
+        return consolidate_worker(args)
+
+    model_path = os.path.join(args.workdir, f"llama-{args.layers}l")
+    model_bytes = build_model(model_path, args.layers)
+    me = os.path.abspath(__file__)
+    report: dict = {"model_bytes": model_bytes, "nproc": args.nproc, "saves": {}, "consolidate": {}}
+    for mode in ("sync", "async"):
+        run_dir = os.path.join(args.workdir, f"ckpt-{mode}")
+        shutil.rmtree(run_dir, ignore_errors=True)
+        result = os.path.join(args.workdir, f"save-{mode}.json")
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}", me,
+                   "--worker", "train", "--mode", mode, "--model-path", model_path, "--run-dir", run_dir,
+                   "--result", result, "--saves", str(args.saves)]
+        row = run_json(command, result)
+        row["checkpoint_bytes"] = folder_bytes(os.path.join(run_dir, f"checkpoint-{args.saves}"))
+        report["saves"][mode] = row
+    checkpoint = os.path.join(args.workdir, "ckpt-sync", f"checkpoint-{args.saves}")
+    for tool in ("hf_fsdp2", "accelerate"):
+        output = os.path.join(args.workdir, f"consolidated-{tool}")
+        shutil.rmtree(output, ignore_errors=True)
+        result = os.path.join(args.workdir, f"consolidate-{tool}.json")
+        command = [sys.executable, me, "--worker", "consolidate", "--tool", tool, "--checkpoint", checkpoint,
+                   "--output", output, "--result", result]
+        report["consolidate"][tool] = run_json(command, result)
+
+    print(f"model: {model_bytes / MIB:.0f} MiB ({model_bytes / 4 / 1e6:.0f}M fp32 parameters), {args.nproc} ranks")
+    print("| save mode | blocked per save, median (min–max) s | checkpoint on disk (MiB) |")
+    print("|---|---:|---:|")
+    for mode, row in report["saves"].items():
+        b = row["blocked_s"]
+        print(f"| {mode} | {statistics.median(b):.2f} ({min(b):.2f}–{max(b):.2f}) | {row['checkpoint_bytes'] / MIB:.0f} |")
+    sync, asyn = (statistics.median(report["saves"][m]["blocked_s"]) for m in ("sync", "async"))
+    print(f"async / sync blocked time: {asyn / sync:.2f}")
+    print("| consolidation | peak RAM above imports (MiB) | × model size | time (s) |")
+    print("|---|---:|---:|---:|")
+    for tool, row in report["consolidate"].items():
+        print(f"| {tool} | {row['peak_mib']:.0f} | {row['peak_mib'] * MIB / model_bytes:.2f} | {row['seconds']:.1f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,162 @@
+"""Consolidation into Hugging Face folders (offline CLI, save_model, end of training) and bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from hf_fsdp2 import consolidate
+from tests.launch import load_result, run
+
+PROBE = torch.tensor([[5, 9, 13, 17, 21, 25, 29, 33]])
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, tiny) -> str:
+    """A 2-rank run with checkpoints every 2 steps; result.json holds the sharded model's final logits."""
+    out = str(tmp_path_factory.mktemp("trained"))
+    run("train_worker.py", 2, "--model", tiny("llama_tied"), "--out", out, "--save-steps", "2", "--steps", "4")
+    return out
+
+
+def logits_of(folder: str) -> torch.Tensor:
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    with torch.no_grad():
+        return model(input_ids=PROBE).logits
+
+
+def sharded_logits(trained: str) -> torch.Tensor:
+    return torch.tensor(load_result(trained)["logits"])
+
+
+def test_end_of_training_folder_reloads_with_equal_logits(trained):
+    folder = os.path.join(trained, "run")
+    assert torch.allclose(logits_of(folder), sharded_logits(trained), atol=1e-5, rtol=0)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_cli_consolidates_the_last_checkpoint_into_a_loadable_folder(trained, tmp_path):
+    output = tmp_path / "hf"
+    cli = [sys.executable, "-m", "hf_fsdp2.cli", "consolidate", os.path.join(trained, "run", "checkpoint-4"), str(output)]
+    proc = subprocess.run(cli, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(os.listdir(output)) == ["config.json", "generation_config.json", "model.safetensors"]
+    assert torch.allclose(logits_of(str(output)), sharded_logits(trained), atol=1e-5, rtol=0)
+
+
+def test_consolidating_the_model_subfolder_and_sharding_with_an_index(trained, tmp_path):
+    model_dir = os.path.join(trained, "run", "checkpoint-4", "pytorch_model_fsdp_0")
+    consolidate(model_dir, str(tmp_path / "hf"), max_shard_size="20KB")
+    files = sorted(os.listdir(tmp_path / "hf"))
+    assert "model.safetensors.index.json" in files
+    assert any(name.startswith("model-00001-of-") for name in files)
+    with open(tmp_path / "hf" / "model.safetensors.index.json") as f:
+        index = json.load(f)
+    assert all(os.path.getsize(tmp_path / "hf" / name) <= 40_000 for name in set(index["weight_map"].values()))
+    assert torch.allclose(logits_of(str(tmp_path / "hf")), sharded_logits(trained), atol=1e-5, rtol=0)
+
+
+def test_export_dtype_is_applied_and_recorded(trained, tmp_path):
+    consolidate(os.path.join(trained, "run", "checkpoint-4"), str(tmp_path / "bf16"), dtype="bfloat16")
+    tensors = load_file(str(tmp_path / "bf16" / "model.safetensors"))
+    assert {t.dtype for t in tensors.values()} == {torch.bfloat16}
+    assert AutoModelForCausalLM.from_pretrained(str(tmp_path / "bf16")).dtype == torch.bfloat16
+
+
+def test_accelerate_merge_weights_reads_our_checkpoint(trained, tmp_path):
+    checkpoint = os.path.join(trained, "run", "checkpoint-4")
+    proc = subprocess.run(
+        ["accelerate", "merge-weights", os.path.join(checkpoint, "pytorch_model_fsdp_0"), str(tmp_path / "acc")],
+        capture_output=True, text=True,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    consolidate(checkpoint, str(tmp_path / "ours"))
+    theirs = load_file(str(tmp_path / "acc" / "model.safetensors"))
+    ours = load_file(str(tmp_path / "ours" / "model.safetensors"))
+    assert theirs.keys() == ours.keys()
+    assert all(torch.equal(theirs[k], ours[k]) for k in ours)
+
+
+def test_accelerate_format_checkpoint_with_tied_duplicates_consolidates(tiny, tmp_path):
+    """Trainer + Accelerate write {"model": model.state_dict()} with FileSystemWriter (tied head included)."""
+    import torch.distributed.checkpoint as dcp
+
+    reference = AutoModelForCausalLM.from_pretrained(tiny("llama_tied"))
+    checkpoint = tmp_path / "checkpoint-10"
+    dcp.save({"model": reference.state_dict()}, storage_writer=dcp.FileSystemWriter(str(checkpoint / "pytorch_model_fsdp_0")), no_dist=True)
+    shutil.copy(os.path.join(tiny("llama_tied"), "config.json"), checkpoint / "config.json")
+    consolidate(str(checkpoint), str(tmp_path / "hf"))
+    assert torch.equal(logits_of(str(tmp_path / "hf")), logits_of(tiny("llama_tied")))
+
+
+# ---- bad input: a clear error, nothing lost on disk -------------------------------------------------------
+
+
+def cli_error(*args: str) -> str:
+    proc = subprocess.run([sys.executable, "-m", "hf_fsdp2.cli", "consolidate", *args], capture_output=True, text=True)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    return proc.stderr
+
+
+def test_a_path_that_is_not_a_checkpoint(tmp_path, tiny):
+    assert "is not a directory" in cli_error(str(tmp_path / "nope"), str(tmp_path / "out"))
+    assert "is not a sharded checkpoint: it has no pytorch_model_fsdp_0/" in cli_error(tiny("llama"), str(tmp_path / "out"))
+
+
+def test_an_incomplete_checkpoint_without_metadata(trained, tmp_path):
+    broken = tmp_path / "checkpoint-4"
+    shutil.copytree(os.path.join(trained, "run", "checkpoint-4"), broken)
+    os.remove(broken / "pytorch_model_fsdp_0" / ".metadata")
+    assert "has no .metadata: the checkpoint is incomplete or corrupted" in cli_error(str(broken), str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_truncated_shard_is_reported_and_leaves_no_output(trained, tmp_path):
+    broken = tmp_path / "checkpoint-4"
+    shutil.copytree(os.path.join(trained, "run", "checkpoint-4"), broken)
+    shard = broken / "pytorch_model_fsdp_0" / "__1_0.distcp"
+    with open(shard, "r+b") as f:
+        f.truncate(os.path.getsize(shard) // 2)
+    message = cli_error(str(broken), str(tmp_path / "out"))
+    assert "corrupted" in message or "truncated" in message
+    assert not (tmp_path / "out").exists() and not (tmp_path / ".out.incomplete").exists()
+
+
+def test_a_non_empty_output_is_refused_and_kept(trained, tmp_path):
+    output = tmp_path / "out"
+    output.mkdir()
+    (output / "precious.txt").write_text("keep me")
+    assert "exists and is not empty; choose another folder or pass --overwrite" in cli_error(
+        os.path.join(trained, "run", "checkpoint-4"), str(output)
+    )
+    assert (output / "precious.txt").read_text() == "keep me"
+
+
+def test_checkpoint_metadata_is_not_unpickled_blindly(trained, tmp_path):
+    broken = tmp_path / "checkpoint-4"
+    shutil.copytree(os.path.join(trained, "run", "checkpoint-4"), broken)
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("echo pwned > " + str(tmp_path / "pwned"),))
+
+    with open(broken / "pytorch_model_fsdp_0" / ".metadata", "wb") as f:
+        pickle.dump(Evil(), f)
+    message = cli_error(str(broken), str(tmp_path / "out"))
+    assert "refusing to unpickle" in message
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_an_optimizer_folder_is_not_a_model(trained, tmp_path):
+    message = cli_error(os.path.join(trained, "run", "checkpoint-4", "optimizer_0"), str(tmp_path / "out"))
+    assert "holds no model tensors (is it an optimizer_0 folder?)" in message
