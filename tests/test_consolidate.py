@@ -76,7 +76,7 @@ def test_export_dtype_is_applied_and_recorded(trained, tmp_path):
 def test_accelerate_merge_weights_reads_our_checkpoint(trained, tmp_path):
     checkpoint = os.path.join(trained, "run", "checkpoint-4")
     proc = subprocess.run(
-        ["accelerate", "merge-weights", os.path.join(checkpoint, "pytorch_model_fsdp_0"), str(tmp_path / "acc")],
+        [sys.executable, "-m", "accelerate.commands.accelerate_cli", "merge-weights", os.path.join(checkpoint, "pytorch_model_fsdp_0"), str(tmp_path / "acc")],
         capture_output=True, text=True,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]

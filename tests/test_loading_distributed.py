@@ -111,3 +111,17 @@ def test_hsdp_size_that_does_not_divide_the_world_is_refused(tmp_path, tiny):
 def test_cpu_offload_without_an_accelerator_is_refused(tmp_path, tiny):
     output = _fails(tmp_path, tiny("llama"), "--offload")
     assert "cpu_offload=True moves shards from an accelerator to host memory" in output
+
+
+def test_bf16_bin_checkpoint_broadcast_into_fp32_masters(tmp_path, tiny):
+    """The rank-0 route casts while it distributes: bf16 weights arrive exactly in fp32 master shards."""
+    from tests.tiny_models import llama
+
+    path = tmp_path / "llama_bf16_bin"
+    torch.manual_seed(3)
+    model = llama().to(torch.bfloat16)
+    model.config.save_pretrained(path)
+    torch.save(model.state_dict(), path / "pytorch_model.bin")
+    state, info = load(tmp_path / "out", str(path), "--route", "from_pretrained", "--bf16")
+    assert info["dtypes"] == ["torch.float32"]
+    assert_exactly(state, reference(str(path)))
