@@ -160,3 +160,15 @@ def test_checkpoint_metadata_is_not_unpickled_blindly(trained, tmp_path):
 def test_an_optimizer_folder_is_not_a_model(trained, tmp_path):
     message = cli_error(os.path.join(trained, "run", "checkpoint-4", "optimizer_0"), str(tmp_path / "out"))
     assert "holds no model tensors (is it an optimizer_0 folder?)" in message
+
+
+def test_tokenizer_files_travel_with_checkpoints_and_exports(tmp_path, tiny):
+    from transformers import AutoTokenizer
+
+    run("train_worker.py", 2, "--model", tiny("llama"), "--out", str(tmp_path), "--save-steps", "2", "--steps", "2",
+        "--tokenizer")
+    checkpoint = tmp_path / "run" / "checkpoint-2"
+    assert (checkpoint / "tokenizer.json").is_file() and (tmp_path / "run" / "tokenizer.json").is_file()
+    consolidate(str(checkpoint), str(tmp_path / "hf"))
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    assert tokenizer("t5 t9").input_ids == [5, 9]

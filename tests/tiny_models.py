@@ -90,3 +90,14 @@ def save_tiny(name: str, directory: str, seed: int = 1234, safe_serialization: b
         state = {k: v for k, v in model.state_dict().items() if not (name.endswith("tied") and k == "lm_head.weight")}
         torch.save(state, os.path.join(path, "pytorch_model.bin"))
     return path
+
+
+def tiny_tokenizer():
+    """A word-level fast tokenizer over the tiny vocabulary, built locally (tokens 't0'..'t95')."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"t{i}": i for i in range(3, VOCAB)}}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>")

@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, TrainingArguments
 
 from hf_fsdp2 import FSDP2Config, FSDP2Trainer, from_pretrained
+from tests.tiny_models import tiny_tokenizer
 
 SEQ = 16
 
@@ -80,6 +81,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--resume", default=None, help="a checkpoint path, or 'last'")
     p.add_argument("--async-save", action="store_true")
     p.add_argument("--run-dir", default=None, help="output_dir of the run (default OUT/run)")
+    p.add_argument("--tokenizer", action="store_true", help="pass a processing_class")
     p.add_argument("--kill-in-save", type=int, default=0, help="rank 1 SIGKILLs itself inside its N-th save")
     return p.parse_args()
 
@@ -173,6 +175,7 @@ def main() -> None:
         train_dataset=data(64, vocab),
         eval_dataset=data(8 * world, vocab, seed=1),
         optimizers=optimizers,
+        processing_class=tiny_tokenizer() if args.tokenizer else None,
     )
     result: dict = {"world": world}
     if args.evaluate_first:
