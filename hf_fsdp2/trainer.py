@@ -80,13 +80,7 @@ class FSDP2Trainer(Trainer):
         optimizer, _ = trainer_kwargs.get("optimizers", (None, None))
         if optimizer is not None:
             repoint_optimizer(optimizer, original_names, model)
-        callbacks = list(trainer_kwargs.pop("callbacks", None) or [])
-        if self.fsdp2_config.consolidate_on_train_end and not any(
-            isinstance(c, ConsolidateCallback) or c is ConsolidateCallback for c in callbacks
-        ):
-            callbacks.append(
-                ConsolidateCallback(dtype=self.fsdp2_config.export_dtype, max_shard_size=self.fsdp2_config.max_shard_size)
-            )
+        callbacks = _with_consolidate_callback(trainer_kwargs.pop("callbacks", None), self.fsdp2_config)
         super().__init__(model=model, args=args, callbacks=callbacks, **trainer_kwargs)
         self.is_distributed_loading_by_transformers = True
         if not _loss_uses_num_items(model):
@@ -225,6 +219,15 @@ class FSDP2Trainer(Trainer):
     def _load_best_model(self) -> None:
         """Reload the best checkpoint's weights into the sharded model."""
         load_sharded_model(self.model, self.state.best_model_checkpoint)
+
+
+def _with_consolidate_callback(callbacks: Optional[list[Any]], config: FSDP2Config) -> list[Any]:
+    """Add the end-of-training export unless it is off or the user passed their own ConsolidateCallback."""
+    callbacks = list(callbacks or [])
+    user_has_one = any(isinstance(c, ConsolidateCallback) or c is ConsolidateCallback for c in callbacks)
+    if config.consolidate_on_train_end and not user_has_one:
+        callbacks.append(ConsolidateCallback(dtype=config.export_dtype, max_shard_size=config.max_shard_size))
+    return callbacks
 
 
 def _unwrap_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
