@@ -95,13 +95,20 @@ def check_same_on_all_ranks(what: str, value: Any) -> None:
             )
 
 
+def first_on_any_rank(value: Any) -> tuple[int, Any]:
+    """Return (rank, value) of the lowest rank whose value is set, else (-1, None); the same on every rank.
+
+    NOTE: collective; every rank must call it, whatever its own value.
+    """
+    gathered: list[Any] = [value]
+    if dist.get_world_size() > 1:
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, value)
+    return next(((rank, found) for rank, found in enumerate(gathered) if found), (-1, None))
+
+
 def raise_if_any_rank(problem: Any) -> None:
     """Raise the first rank's problem on every rank, so a failure on one rank never leaves others waiting."""
-    world = dist.get_world_size()
-    gathered: list[Any] = [problem]
-    if world > 1:
-        gathered = [None] * world
-        dist.all_gather_object(gathered, problem)
-    for rank, found in enumerate(gathered):
-        if found:
-            raise ValueError(f"rank {rank}: {found}")
+    rank, found = first_on_any_rank(problem)
+    if found:
+        raise ValueError(f"rank {rank}: {found}")

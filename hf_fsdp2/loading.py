@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import PreTrainedModel
 
-from .distributed import get_device, is_rank0, log_rank0, raise_if_any_rank, warn_rank0
+from .distributed import first_on_any_rank, get_device, is_rank0, log_rank0, raise_if_any_rank, warn_rank0
 from .safetensors_reader import SliceReader
 from .skeleton import (
     PretrainedSource,
@@ -226,9 +226,7 @@ def choose_route(model: nn.Module) -> Optional[SafetensorsPlan]:
         reason = "the model is an object, so rank 0's weights are the truth"
     else:
         reason = _needs_conversion(model) or (None if shapes else f"no *.safetensors readable in {source.path}")
-    gathered: list[Optional[str]] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, reason)
-    reason = next((r for r in gathered if r), None)
+    _, reason = first_on_any_rank(reason)
     if reason:
         log_rank0("Loading on rank 0 and broadcasting: %s.", reason)
         return None
