@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from .distributed import is_rank0
+from .hf_export import staging_dir
 from .skeleton import tie_groups
 
 MODEL_DIR = "pytorch_model_fsdp_0"
@@ -137,12 +138,6 @@ def check_compatible(metadata: Metadata, state: dict[str, torch.Tensor], prefix:
                 f"{name} has shape {tuple(size)} in the checkpoint but {tuple(tensor.shape)} in the model: "
                 "the checkpoint was saved from another model or config."
             )
-
-
-def staging_dir(final: str) -> str:
-    """The hidden name a checkpoint is written under; `get_last_checkpoint` and rotation never see it."""
-    parent, name = os.path.split(os.path.abspath(final))
-    return os.path.join(parent, f".{name}.incomplete")
 
 
 def begin_checkpoint(final: str) -> str:

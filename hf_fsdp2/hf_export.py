@@ -155,13 +155,20 @@ def write_weights(
             json.dump(index, f, indent=2, sort_keys=True)
 
 
+def staging_dir(final: str) -> str:
+    """The hidden name a folder is written under until complete (`get_last_checkpoint`, rotation and
+    `from_pretrained` never see it)."""
+    parent, name = os.path.split(os.path.abspath(final))
+    return os.path.join(parent, f".{name}.incomplete")
+
+
 def prepare_output(output_dir: str, overwrite: bool) -> str:
     """Refuse a non-empty output folder unless `overwrite`; return the staging folder to write into."""
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         raise ValueError(f"{output_dir} exists and is not a directory.")
     if os.path.isdir(output_dir) and os.listdir(output_dir) and not overwrite:
         raise ValueError(f"{output_dir} exists and is not empty; choose another folder or pass --overwrite.")
-    staging = os.path.join(os.path.dirname(os.path.abspath(output_dir)), f".{os.path.basename(output_dir)}.incomplete")
+    staging = staging_dir(output_dir)
     shutil.rmtree(staging, ignore_errors=True)
     os.makedirs(staging)
     return staging
