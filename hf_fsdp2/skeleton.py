@@ -39,8 +39,8 @@ def from_pretrained(path: str | os.PathLike, auto_class: Any = AutoModelForCausa
     model_kwargs = {k: kwargs[k] for k in _MODEL_KWARGS if k in kwargs}
     config_kwargs = {k: v for k, v in kwargs.items() if k not in _MODEL_KWARGS or k == "trust_remote_code"}
     config = AutoConfig.from_pretrained(path, **config_kwargs)
-    dtype = model_kwargs.pop("dtype", None) or model_kwargs.pop("torch_dtype", None) or "auto"
-    model_kwargs.pop("torch_dtype", None)
+    legacy_dtype = model_kwargs.pop("torch_dtype", None)
+    dtype = model_kwargs.pop("dtype", None) or legacy_dtype or "auto"
     if dtype == "auto":
         # Same default as transformers 5's from_pretrained: the dtype the checkpoint was saved in.
         dtype = config.dtype or torch.float32
