@@ -10,18 +10,26 @@ from .consolidate import save_pretrained_sharded
 
 
 class ConsolidateCallback(TrainerCallback):
-    """At the end of training, write the model as a `from_pretrained`-ready folder.
+    """At the end of training, write the model as a `from_pretrained`-ready folder (a PEFT model: its adapter).
 
     Args:
         output_dir: where to write; default `TrainingArguments.output_dir`.
         dtype: export dtype (e.g. "bfloat16"); default the parameters' own.
         max_shard_size: largest safetensors file.
+        merge_adapters: for a PEFT model, write the merged full model instead of the adapter folder.
     """
 
-    def __init__(self, output_dir: Optional[str] = None, dtype: Optional[str] = None, max_shard_size: str = "5GB"):
+    def __init__(
+        self,
+        output_dir: Optional[str] = None,
+        dtype: Optional[str] = None,
+        max_shard_size: str = "5GB",
+        merge_adapters: bool = False,
+    ):
         self.output_dir = output_dir
         self.dtype = dtype
         self.max_shard_size = max_shard_size
+        self.merge_adapters = merge_adapters
 
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -32,4 +40,5 @@ class ConsolidateCallback(TrainerCallback):
             processing_class=kwargs.get("processing_class"),
             dtype=self.dtype,
             max_shard_size=self.max_shard_size,
+            merge_adapters=self.merge_adapters,
         )

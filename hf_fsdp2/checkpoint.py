@@ -112,6 +112,12 @@ def validate_checkpoint(checkpoint: str) -> str:
     if not os.path.isdir(checkpoint):
         raise ValueError(f"{checkpoint} is not a directory; pass a checkpoint-N folder or its {MODEL_DIR}.")
     directory = model_dir(checkpoint)
+    if not os.path.isdir(directory) and os.path.isfile(os.path.join(checkpoint, "adapter_model.safetensors")):
+        raise ValueError(
+            f"{checkpoint} is an adapter-only (PEFT) checkpoint: it holds no base weights. Load it with "
+            "PeftModel.from_pretrained(base_model, folder), or train with FSDP2Config(merge_adapters_on_save=True) "
+            "to export a merged full model."
+        )
     if not os.path.isdir(directory):
         found = sorted(os.listdir(checkpoint))[:10]
         raise ValueError(
@@ -230,14 +236,17 @@ def save_sharded(
     model: nn.Module,
     optimizer: Optional[torch.optim.Optimizer],
     saver: Optional[AsyncSaver] = None,
+    include_model: bool = True,
 ) -> list[Any]:
     """Write this rank's part of the model (and optimizer) under `directory`.
+
+    `include_model=False` writes only the optimizer (adapter checkpoints keep the weights in peft's files).
 
     With an `AsyncSaver` the state is copied to host memory now and written in the background; the
     returned futures finish when it is on disk. Otherwise it returns [] once written.
     """
     pending = []
-    parts = [(MODEL_DIR, {MODEL_KEY: model_state_dict(model)})]
+    parts = [(MODEL_DIR, {MODEL_KEY: model_state_dict(model)})] if include_model else []
     if optimizer is not None:
         parts.append((OPTIMIZER_DIR, {OPTIMIZER_KEY: get_optimizer_state_dict(model, optimizer)}))
     for folder, state in parts:

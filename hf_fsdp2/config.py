@@ -78,11 +78,12 @@ class FSDP2Config:
             "step on the CPU (torch's CPUOffloadPolicy). Saves accelerator memory, costs speed."
         },
     )
-    activation_checkpointing: bool = field(
+    fsdp_activation_checkpointing: bool = field(
         default=False,
         metadata={
             "help": "Recompute each wrapped block's activations in backward instead of storing them. "
-            "Applied per unit, before compile and sharding; parameter names do not change."
+            "Applied per unit, before compile and sharding; parameter names do not change. (Named apart from "
+            "TrainingArguments.activation_checkpointing, transformers' own, so both parse in one HfArgumentParser.)"
         },
     )
     compile: bool = field(
@@ -117,7 +118,16 @@ class FSDP2Config:
         default=True,
         metadata={
             "help": "At the end of train(), write a from_pretrained-ready folder (model.safetensors, config, "
-            "tokenizer) to TrainingArguments.output_dir (hf_fsdp2.ConsolidateCallback)."
+            "tokenizer) to TrainingArguments.output_dir (hf_fsdp2.ConsolidateCallback); for a PEFT model, "
+            "an adapter folder that PeftModel.from_pretrained loads."
+        },
+    )
+    merge_adapters_on_save: bool = field(
+        default=False,
+        metadata={
+            "help": "PEFT models only: save_model and the end-of-training export write the full model with the "
+            "active LoRA adapter merged into copies of the base weights (from_pretrained-ready) instead of "
+            "the adapter folder. Checkpoints stay adapter-only."
         },
     )
     export_dtype: Optional[str] = field(

@@ -25,9 +25,12 @@ from .checkpoint import (
     read_metadata,
     validate_checkpoint,
 )
+from .adapter_checkpoint import merged_state, save_adapter
+from .adapters import is_peft_model
 from .config import resolve_dtype
 from .distributed import is_rank0
 from .hf_export import TensorSpec, prepare_output, publish, write_weights
+from .sharding import reshard_all
 
 # Files beside the weights that make a folder loadable (config) and usable (generation, tokenizer).
 MODEL_FILES = (
@@ -117,8 +120,8 @@ def _set_config_dtype(path: str, dtype: torch.dtype) -> None:
         json.dump(config, f, indent=2, sort_keys=True)
 
 
-def write_model_files(model: nn.Module, directory: str, processing_class: Any = None) -> None:
-    """Write config, generation config and tokenizer files of `model` (rank 0 only)."""
+def write_model_files(model: Optional[nn.Module], directory: str, processing_class: Any = None) -> None:
+    """Write config, generation config and tokenizer files of `model` (rank 0 only; None: tokenizer only)."""
     config = getattr(model, "config", None)
     if config is not None:
         config = copy.deepcopy(config)
@@ -137,25 +140,48 @@ def save_pretrained_sharded(
     processing_class: Any = None,
     dtype: Optional[str] = None,
     max_shard_size: str | int = "5GB",
+    merge_adapters: bool = False,
 ) -> None:
     """Write the live sharded model as a Hugging Face folder, gathering one tensor at a time.
 
+    A PEFT model is written as its adapter folder (`PeftModel.from_pretrained` loads it), or with
+    `merge_adapters` as the full model with the active LoRA adapter merged into copies of the base weights.
     NOTE: collective; every rank must call it. Only rank 0 holds a full tensor, one at a time, and writes.
     """
+    reshard_all(model)
+    peft = is_peft_model(model)
+    if merge_adapters and not peft:
+        raise ValueError("merge_adapters_on_save=True, but the model has no PEFT adapters to merge; turn it off.")
+    staging = prepare_output(output_dir, overwrite=True) if is_rank0() else ""
+    if peft and not merge_adapters:
+        save_adapter(model, staging)
+        if is_rank0():
+            write_model_files(None, staging, processing_class)
+    else:
+        _write_weights_gathered(model, staging, dtype, max_shard_size)
+        if is_rank0():
+            write_model_files(model.get_base_model() if peft else model, staging, processing_class)
+            if resolve_dtype(dtype) is not None:
+                _set_config_dtype(os.path.join(staging, "config.json"), resolve_dtype(dtype))
+    if is_rank0():
+        publish(staging, output_dir)
+    dist.barrier()
+
+
+def _write_weights_gathered(model: nn.Module, staging: str, dtype: Optional[str], max_shard_size: str | int) -> None:
+    """Gather each tensor (merging LoRA into copies for a PEFT model) and let rank 0 write safetensors files."""
     target = resolve_dtype(dtype)
     state = model_state_dict(model)
+    merge = None
+    if is_peft_model(model):
+        state, merge = merged_state(model, state)
     specs = [TensorSpec(name, tuple(t.shape), _export_dtype(t.dtype, target)) for name, t in state.items()]
-    staging = prepare_output(output_dir, overwrite=True) if is_rank0() else ""
 
     def fetch(spec: TensorSpec) -> Optional[torch.Tensor]:
         tensor = state[spec.name]
-        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach().clone()
+        if merge is not None:
+            full = merge(spec.name, full)
         return full if is_rank0() else None
 
     write_weights(staging, specs, fetch, max_shard_size, write=is_rank0())
-    if is_rank0():
-        write_model_files(model, staging, processing_class)
-        if target is not None:
-            _set_config_dtype(os.path.join(staging, "config.json"), target)
-        publish(staging, output_dir)
-    dist.barrier()

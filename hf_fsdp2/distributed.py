@@ -112,3 +112,15 @@ def raise_if_any_rank(problem: Any) -> None:
     rank, found = first_on_any_rank(problem)
     if found:
         raise ValueError(f"rank {rank}: {found}")
+
+
+def broadcast_from_rank0(value: Any) -> Any:
+    """Return rank 0's `value` on every rank (small picklable objects: RNG states, adapter tensors).
+
+    NOTE: collective; every rank must call it.
+    """
+    if dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

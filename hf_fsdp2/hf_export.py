@@ -183,11 +183,18 @@ def publish(staging: str, output_dir: str) -> None:
     for stale in _weight_files(output_dir):
         os.remove(os.path.join(output_dir, stale))
     for name in os.listdir(staging):
-        os.replace(os.path.join(staging, name), os.path.join(output_dir, name))
+        target = os.path.join(output_dir, name)
+        if os.path.isdir(os.path.join(staging, name)) and os.path.isdir(target):
+            shutil.rmtree(target)  # an adapter subfolder of a previous export
+        os.replace(os.path.join(staging, name), target)
     os.rmdir(staging)
 
 
 def _weight_files(directory: str) -> Iterable[str]:
-    """Weight files of a previous export, which a new one must not leave behind."""
-    pattern = re.compile(r"^(model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json)$")
+    """Weight files of a previous export (full model or adapter), which a new one must not leave behind:
+    a stale adapter_config.json would make from_pretrained load the folder as an adapter."""
+    pattern = re.compile(
+        r"^(model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json"
+        r"|adapter_model\.safetensors|adapter_config\.json)$"
+    )
     return [name for name in os.listdir(directory) if pattern.match(name)]

@@ -3,7 +3,8 @@
 Two routes, chosen per model:
 - safetensors on every rank: each rank reads only its own slices (torch DCP, with a reader that reads
   rows in place: see safetensors_reader);
-  what the checkpoint lacks (a new head, RoPE buffers) is initialized as `from_pretrained` would.
+  what the checkpoint lacks (a new head, RoPE buffers, PEFT adapters) is initialized as `from_pretrained`
+  (and peft) would have, from the RNG state the skeleton was built with.
 - otherwise (a model object, `.bin` files, files only rank 0 can see, keys that need transformers'
   conversion): rank 0's weights are the truth and are broadcast tensor by tensor.
 It knows how to shard only through the callable it is given.
@@ -11,10 +12,11 @@ It knows how to shard only through the callable it is given.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -25,11 +27,21 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import PreTrainedModel
 
-from .distributed import first_on_any_rank, get_device, is_rank0, log_rank0, raise_if_any_rank, warn_rank0
+from .adapters import adapter_prefix, base_name, is_adapter_tensor, is_peft_model, replay_adapters, replayed_adapter_values
+from .distributed import (
+    broadcast_from_rank0,
+    first_on_any_rank,
+    get_device,
+    is_rank0,
+    log_rank0,
+    raise_if_any_rank,
+    warn_rank0,
+)
 from .safetensors_reader import SliceReader
 from .skeleton import (
     PretrainedSource,
     Structure,
+    build_skeleton,
     first_meta_tensor,
     get_source,
     move_to_meta,
@@ -48,6 +60,7 @@ class SafetensorsPlan:
     keys: dict[str, str] = field(default_factory=dict)
     missing: list[str] = field(default_factory=list)
     unused: list[str] = field(default_factory=list)
+    adapters: list[str] = field(default_factory=list)  # PEFT's own tensors: in no base checkpoint
 
 
 def _tensor_names(model: nn.Module) -> list[list[str]]:
@@ -75,9 +88,14 @@ def plan_safetensors_load(model: nn.Module, checkpoint_shapes: dict[str, torch.S
     """Match model tensors to checkpoint keys; raise ValueError naming the first shape mismatch."""
     plan = SafetensorsPlan()
     prefix = getattr(model, "base_model_prefix", "")
+    tuner = adapter_prefix(model)
     for names in _tensor_names(model):
-        tensor = model.get_parameter(names[0]) if _is_param(model, names[0]) else model.get_buffer(names[0])
-        found = next((key for n in names for key in _candidates(n, prefix) if key in checkpoint_shapes), None)
+        if is_adapter_tensor(names[0], tuner):
+            plan.adapters.append(names[0])
+            continue
+        tensor = _get(model, names[0])
+        spellings = [base_name(n) for n in names] if tuner else names
+        found = next((key for n in spellings for key in _candidates(n, prefix) if key in checkpoint_shapes), None)
         if found is None:
             plan.missing.append(names[0])
             continue
@@ -136,6 +154,45 @@ def init_missing(model: nn.Module, missing: list[str]) -> dict[str, torch.Tensor
     return values
 
 
+def skeleton_rng_state(model: nn.Module) -> torch.Tensor:
+    """Rank 0's RNG state as of the skeleton's creation (or now, for an object): every rank draws the same.
+
+    NOTE: collective; every rank must call it.
+    """
+    source = get_source(model)
+    state = source.rng_state if source is not None and source.rng_state is not None else torch.random.get_rng_state()
+    return broadcast_from_rank0(state)
+
+
+@contextlib.contextmanager
+def rng_state(state: torch.Tensor) -> Iterator[None]:
+    """Draw from `state` inside, and leave the caller's RNG (training's) as it was."""
+    with torch.random.fork_rng(devices=[]):
+        torch.random.set_rng_state(state)
+        yield
+
+
+def initial_values(model: nn.Module, plan: SafetensorsPlan, state: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Full values of everything the checkpoint lacks, drawn as one process's from_pretrained (+ peft) would."""
+    if not is_peft_model(model):
+        with rng_state(state):
+            return init_missing(model, plan.missing)
+    source = get_source(model)
+    replay = [n for n in plan.adapters if _get(model, n).is_meta]
+    given = {n: _get(model, n).detach().cpu() for n in plan.adapters if not _get(model, n).is_meta}
+    with rng_state(state):
+        # A PEFT model's base is initialized as the unwrapped model it was built from, then its adapters.
+        pristine = build_skeleton(source.path, source.auto_class, source.kwargs)
+        base_values = init_missing(pristine, sorted({base_name(n) for n in plan.missing}))
+        values = replayed_adapter_values(model, source, replay) if replay else {}
+    for name, _ in [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]:
+        if base_name(name) in base_values and name not in plan.adapters:
+            values[name] = base_values[base_name(name)]
+    # Adapters with values (e.g. loaded by PeftModel.from_pretrained) are rank 0's on every rank.
+    values.update(broadcast_from_rank0(given) if given else {})
+    return values
+
+
 def _get(model: nn.Module, name: str) -> torch.Tensor:
     return model.get_parameter(name) if _is_param(model, name) else model.get_buffer(name)
 
@@ -173,14 +230,17 @@ def materialize(model: nn.Module, offload: bool) -> None:
 def copy_full_into_shards(model: nn.Module, values: dict[str, torch.Tensor]) -> None:
     """Copy full tensors (identical on every rank) into this rank's shards, without communication."""
     for name, full in values.items():
-        target = _get(model, name)
-        if isinstance(target, DTensor):
-            local = distribute_tensor(
-                full.to(target.dtype), target.device_mesh, target.placements, src_data_rank=None
-            ).to_local()
-            target.to_local().copy_(local)
-        else:
-            target.copy_(full)
+        copy_full_into(_get(model, name), full)
+
+
+@torch.no_grad()
+def copy_full_into(target: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy one full tensor into `target`, of which this rank may hold only a shard (a DTensor)."""
+    if isinstance(target, DTensor):
+        local = distribute_tensor(full.to(target.dtype), target.device_mesh, target.placements, src_data_rank=None)
+        target.to_local().copy_(local.to_local())
+    else:
+        target.copy_(full)
 
 
 def read_safetensors_shards(model: nn.Module, path: str, plan: SafetensorsPlan) -> None:
@@ -206,6 +266,7 @@ def safetensors_shapes(path: str) -> Optional[dict[str, torch.Size]]:
 
 def _needs_conversion(model: nn.Module) -> Optional[str]:
     """Name the reason the checkpoint's keys need transformers' own conversion, or None."""
+    model = model.get_base_model() if is_peft_model(model) else model
     if not isinstance(model, PreTrainedModel):
         return None
     from transformers.conversion_mapping import get_model_conversion_mapping
@@ -242,20 +303,21 @@ def load_sharded(model: nn.Module, shard: ShardFn, offload: bool = False) -> nn.
     """Shard `model` with `shard` and fill every rank's shards with the right weights; verify the result."""
     structure = Structure.of(model)
     plan = choose_route(model)
+    state = skeleton_rng_state(model)
     if plan is not None:
-        initial = init_missing(model, plan.missing)
+        initial = initial_values(model, plan, state)
         shard(model)
         materialize(model, offload)
         read_safetensors_shards(model, get_source(model).path, plan)
         copy_full_into_shards(model, initial)
     else:
-        state, buffers = _rank0_state(model)
+        weights, buffers = _rank0_state(model, state)
         move_to_meta(model)
         shard(model)
         materialize(model, offload)
-        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
         copy_full_into_shards(model, buffers)
-        del state, buffers
+        del weights, buffers
         broadcast_buffers(model)
     structure.verify(model)
     return model
@@ -264,13 +326,14 @@ def load_sharded(model: nn.Module, shard: ShardFn, offload: bool = False) -> nn.
 Rank0State = tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]
 
 
-def _rank0_state(model: nn.Module) -> Rank0State:
+def _rank0_state(model: nn.Module, rng: torch.Tensor) -> Rank0State:
     """On rank 0, the full state dict and all buffers that every rank will be given; empty elsewhere."""
     problem: Optional[str] = None
     state: Rank0State = ({}, {})
     if is_rank0():
         try:
-            state, problem = _full_state_on_rank0(model)
+            with rng_state(rng):
+                state, problem = _full_state_on_rank0(model)
         except Exception as error:  # NOTE: re-raised on every rank below, so no rank waits forever.
             problem = f"{type(error).__name__}: {error}"
     raise_if_any_rank(problem)
@@ -281,7 +344,13 @@ def _full_state_on_rank0(model: nn.Module) -> tuple[Rank0State, Optional[str]]:
     """Read the whole model on rank 0, from its source path or from the object itself."""
     source: Optional[PretrainedSource] = get_source(model)
     if source is not None:
-        model = source.auto_class.from_pretrained(source.path, **source.kwargs)
+        real = source.auto_class.from_pretrained(source.path, **source.kwargs)
+        if is_peft_model(model):
+            # The adapters as peft made them on this base; ones the skeleton already holds take precedence.
+            given = {n: t for n, t in model.state_dict().items() if not t.is_meta}
+            real = replay_adapters(real, model)
+            real.load_state_dict(given, strict=False)
+        model = real
     else:
         meta = first_meta_tensor(model)
         if meta is not None:

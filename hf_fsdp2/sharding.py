@@ -168,7 +168,7 @@ def shard_model(
     """Apply activation checkpointing, then compile, then `fully_shard` to each unit and the root."""
     units = select_units(model, config) if units is None else units
     _check_reshard(config.reshard_after_forward, mesh)
-    if config.activation_checkpointing:
+    if config.fsdp_activation_checkpointing:
         _checkpoint_units(model, units)
     if config.compile:
         for unit in units or [model]:
@@ -191,7 +191,7 @@ def _checkpoint_units(model: nn.Module, units: list[nn.Module]) -> None:
 
     if not units:
         raise ValueError(
-            "activation_checkpointing=True needs wrapped blocks to checkpoint, but the wrap policy selected none; "
+            "fsdp_activation_checkpointing=True needs wrapped blocks to checkpoint, but the wrap policy selected none; "
             "use auto_wrap_policy='transformer_based_wrap'."
         )
     for unit in units:

@@ -26,6 +26,9 @@ class PretrainedSource:
     path: str
     auto_class: Any
     kwargs: dict[str, Any] = field(default_factory=dict)
+    # The CPU RNG state when the skeleton was built: weights the checkpoint lacks (and PEFT adapters added
+    # afterwards) are initialized from it, drawing the same numbers as a real from_pretrained at that point.
+    rng_state: Optional[torch.Tensor] = None
 
 
 def from_pretrained(path: str | os.PathLike, auto_class: Any = AutoModelForCausalLM, **kwargs: Any) -> nn.Module:
@@ -36,6 +39,14 @@ def from_pretrained(path: str | os.PathLike, auto_class: Any = AutoModelForCausa
     `num_labels`).
     """
     path = os.fspath(path)
+    rng_state = torch.random.get_rng_state()
+    model = build_skeleton(path, auto_class, kwargs)
+    setattr(model, SOURCE_ATTR, PretrainedSource(path, auto_class, dict(kwargs), rng_state))
+    return model
+
+
+def build_skeleton(path: str, auto_class: Any, kwargs: dict[str, Any]) -> nn.Module:
+    """The meta-device model `from_pretrained(path, auto_class, **kwargs)` describes (no source attached)."""
     model_kwargs = {k: kwargs[k] for k in _MODEL_KWARGS if k in kwargs}
     config_kwargs = {k: v for k, v in kwargs.items() if k not in _MODEL_KWARGS or k == "trust_remote_code"}
     config = AutoConfig.from_pretrained(path, **config_kwargs)
@@ -47,9 +58,7 @@ def from_pretrained(path: str | os.PathLike, auto_class: Any = AutoModelForCausa
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     with torch.device("meta"):
-        model = auto_class.from_config(config, dtype=dtype, **model_kwargs)
-    setattr(model, SOURCE_ATTR, PretrainedSource(path, auto_class, dict(kwargs)))
-    return model
+        return auto_class.from_config(config, dtype=dtype, **model_kwargs)
 
 
 def get_source(model: nn.Module) -> Optional[PretrainedSource]:

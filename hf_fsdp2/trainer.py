@@ -20,7 +20,10 @@ This is the only module that knows Trainer/Accelerate internals. Every private h
 - `_load_from_checkpoint`, `_load_optimizer_and_scheduler`, `_load_best_model`: DCP loads, any world
   size (tests/test_checkpoint.py resume cases). `_load_rng_state` is Trainer's own.
 - `_finalize_training`: waits for a pending asynchronous save before training ends.
-- `save_model`: writes a from_pretrained-ready folder, gathering one tensor at a time.
+- `save_model`: writes a from_pretrained-ready folder, gathering one tensor at a time (a PEFT model: its
+  adapter folder, or the merged model with `merge_adapters_on_save`).
+PEFT models get adapter-only checkpoints: peft's adapter files plus the DCP optimizer state of the
+trainable parameters (tests/test_lora.py).
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME, TRAINING_AR
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints, set_seed
 
+from .adapter_checkpoint import check_mergeable, check_trainable_are_saved, load_adapter, save_adapter
+from .adapters import adapter_prefix, is_adapter_tensor, is_peft_model
 from .callbacks import ConsolidateCallback
 from .checkpoint import (
     AsyncSaver,
@@ -49,7 +54,7 @@ from .checkpoint import (
 )
 from .config import FSDP2Config
 from .consolidate import save_pretrained_sharded, write_model_files
-from .distributed import init_distributed, is_rank0
+from .distributed import init_distributed, is_rank0, log_rank0
 from .model import clip_grad_norm, prepare_model
 from .sharding import reshard_all
 from .skeleton import from_pretrained
@@ -74,6 +79,11 @@ class FSDP2Trainer(Trainer):
         set_seed(args.seed)
         if isinstance(model, (str, os.PathLike)):
             model = from_pretrained(model)
+        self._peft = is_peft_model(model)
+        if self._peft:
+            check_trainable_are_saved(model)
+            if self.fsdp2_config.merge_adapters_on_save:
+                check_mergeable(model)
         original_names = {id(p): name for name, p in model.named_parameters()}
         model = prepare_model(model, self.fsdp2_config, bf16=args.bf16, fp16=args.fp16)
         model._is_fsdp_managed_module = True
@@ -87,6 +97,7 @@ class FSDP2Trainer(Trainer):
             self.model_accepts_loss_kwargs = False
         self._async_saver: Optional[AsyncSaver] = None
         self._pending_save: Optional[tuple[list[Any], str, str, str]] = None
+        self._base_model_bytes = _base_model_bytes(model)
 
     def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
         """Leave placement to sharding."""
@@ -135,7 +146,9 @@ class FSDP2Trainer(Trainer):
         optimizer = None if self.args.save_only_model else _unwrap_optimizer(self.optimizer)
         if self.fsdp2_config.async_save and self._async_saver is None:
             self._async_saver = AsyncSaver()  # NOTE: creates process groups: a collective, as is every save.
-        pending = save_sharded(staging, self.model, optimizer, self._async_saver)
+        pending = save_sharded(staging, self.model, optimizer, self._async_saver, include_model=not self._peft)
+        if self._peft:
+            save_adapter(self.model, staging)  # small and gathered: written before training goes on
         self._save_checkpoint_files(staging)
         self._pending_save = (pending, staging, final, run_dir)
         if not pending:
@@ -149,7 +162,8 @@ class FSDP2Trainer(Trainer):
         if not self.args.save_only_model and self.lr_scheduler is not None:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(directory, SCHEDULER_NAME))
         torch.save(self.args, os.path.join(directory, TRAINING_ARGS_NAME))
-        write_model_files(self.model, directory, self.processing_class)
+        # An adapter checkpoint gets no config.json: it is not a from_pretrained folder of the base model.
+        write_model_files(None if self._peft else self.model, directory, self.processing_class)
         for callback in self.callback_handler.callbacks + [self.control]:
             if isinstance(callback, ExportableState):
                 name = callback.__class__.__name__
@@ -168,6 +182,14 @@ class FSDP2Trainer(Trainer):
         for save in pending:
             getattr(save, "upload_completion", save).result()
         commit_checkpoint(staging, final)
+        if self._peft:
+            log_rank0(
+                "%s: %.2f MiB on disk (adapter + optimizer state), %.2f%% of the %.1f MiB base model.",
+                os.path.basename(final),
+                _folder_bytes(final) / 2**20,
+                100 * _folder_bytes(final) / max(self._base_model_bytes, 1),
+                self._base_model_bytes / 2**20,
+            )
         if self.state.best_global_step:
             best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
             if os.path.exists(best):
@@ -197,6 +219,7 @@ class FSDP2Trainer(Trainer):
             processing_class=self.processing_class,
             dtype=self.fsdp2_config.export_dtype,
             max_shard_size=self.fsdp2_config.max_shard_size,
+            merge_adapters=self.fsdp2_config.merge_adapters_on_save,
         )
         if is_rank0():
             torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
@@ -204,8 +227,11 @@ class FSDP2Trainer(Trainer):
     # ---- resume ----------------------------------------------------------------------------------------
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Optional[nn.Module] = None) -> None:
-        """Load the sharded model from checkpoint-N, whatever world size wrote it."""
-        load_sharded_model(self.model, resume_from_checkpoint)
+        """Load the sharded model (a PEFT model: its adapters) from checkpoint-N, whatever world size wrote it."""
+        if self._peft:
+            load_adapter(self.model, resume_from_checkpoint)
+        else:
+            load_sharded_model(self.model, resume_from_checkpoint)
 
     def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
         """Restore optimizer (DCP, resharded) and scheduler state."""
@@ -218,7 +244,7 @@ class FSDP2Trainer(Trainer):
 
     def _load_best_model(self) -> None:
         """Reload the best checkpoint's weights into the sharded model."""
-        load_sharded_model(self.model, self.state.best_model_checkpoint)
+        self._load_from_checkpoint(self.state.best_model_checkpoint)
 
 
 def _with_consolidate_callback(callbacks: Optional[list[Any]], config: FSDP2Config) -> list[Any]:
@@ -226,7 +252,13 @@ def _with_consolidate_callback(callbacks: Optional[list[Any]], config: FSDP2Conf
     callbacks = list(callbacks or [])
     user_has_one = any(isinstance(c, ConsolidateCallback) or c is ConsolidateCallback for c in callbacks)
     if config.consolidate_on_train_end and not user_has_one:
-        callbacks.append(ConsolidateCallback(dtype=config.export_dtype, max_shard_size=config.max_shard_size))
+        callbacks.append(
+            ConsolidateCallback(
+                dtype=config.export_dtype,
+                max_shard_size=config.max_shard_size,
+                merge_adapters=config.merge_adapters_on_save,
+            )
+        )
     return callbacks
 
 
@@ -246,11 +278,16 @@ def _validate_args(model: Any, args: TrainingArguments, config: FSDP2Config, kwa
             f"TrainingArguments(fsdp={args.fsdp!r}) asks Accelerate to shard the model too; remove it — "
             "FSDP2Trainer shards the model itself (configure it with FSDP2Config)."
         )
+    if config.merge_adapters_on_save and not is_peft_model(model):
+        raise ValueError(
+            "FSDP2Config(merge_adapters_on_save=True) needs a PEFT model (get_peft_model(model, LoraConfig(...))); "
+            "this model has no adapters. Turn the option off."
+        )
     if args.deepspeed:
         raise ValueError("TrainingArguments(deepspeed=...) cannot be combined with FSDP2Trainer; remove it.")
-    if args.activation_checkpointing and config.activation_checkpointing:
+    if args.activation_checkpointing and config.fsdp_activation_checkpointing:
         raise ValueError(
-            "Both TrainingArguments(activation_checkpointing=True) and FSDP2Config(activation_checkpointing=True) "
+            "Both TrainingArguments(activation_checkpointing=True) and FSDP2Config(fsdp_activation_checkpointing=True) "
             "are set; keep only FSDP2Config's, which checkpoints each FSDP unit."
         )
 
@@ -289,3 +326,14 @@ def _loss_uses_num_items(model: nn.Module) -> bool:
     except (TypeError, ValueError):
         return True
     return "num_items_in_batch" in parameters
+
+
+def _base_model_bytes(model: nn.Module) -> int:
+    """Bytes of the model's non-adapter parameters (global sizes), to put adapter checkpoints in proportion."""
+    prefix = adapter_prefix(model)
+    return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not is_adapter_tensor(n, prefix))
+
+
+def _folder_bytes(folder: str) -> int:
+    """Total size of the files under `folder`."""
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(folder) for f in files)

@@ -1,5 +1,6 @@
 """Checkpoint costs on a ~100M-parameter model: time the training loop is blocked per save (sync vs
-async_save), bytes on disk, and consolidation's peak memory and time against `accelerate merge-weights`.
+async_save, and LoRA's adapter-only checkpoints), bytes on disk against the model, peak RAM per rank while
+training, and consolidation's peak memory and time against `accelerate merge-weights`.
 
 Usage (CPU, 2 ranks):
     python scripts/measure_checkpoint.py [--nproc 2] [--saves 3] [--json out.json]
@@ -24,6 +25,7 @@ from measure_load_memory import MIB, build_model, vm_kib  # noqa: E402
 
 def train_worker(args: argparse.Namespace) -> None:
     """One rank: train `saves` steps saving after each; record how long each save blocked the loop."""
+    baseline = vm_kib("VmHWM")
     import torch
     import torch.distributed as dist
     from datasets import Dataset
@@ -38,7 +40,15 @@ def train_worker(args: argparse.Namespace) -> None:
         report_to=[], use_cpu=True, disable_tqdm=True, logging_steps=1000,
     )
     config = FSDP2Config(async_save=args.mode == "async", consolidate_on_train_end=False)
-    trainer = FSDP2Trainer(args.model_path, targs, fsdp2_config=config, train_dataset=data)
+    model = args.model_path
+    if args.mode == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        from hf_fsdp2 import from_pretrained
+
+        lora = LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+        model = get_peft_model(from_pretrained(model), lora)
+    trainer = FSDP2Trainer(model, targs, fsdp2_config=config, train_dataset=data)
     blocked: list[float] = []
     original = trainer._save_checkpoint
 
@@ -51,9 +61,11 @@ def train_worker(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     trainer.train()
     total = time.perf_counter() - start
+    peaks: list = [None] * dist.get_world_size()
+    dist.all_gather_object(peaks, (vm_kib("VmHWM") - baseline) / 1024)
     if dist.get_rank() == 0:
         with open(args.result, "w") as f:
-            json.dump({"blocked_s": blocked, "train_s": total}, f)
+            json.dump({"blocked_s": blocked, "train_s": total, "peak_mib_per_rank": peaks}, f)
     dist.destroy_process_group()
 
 
@@ -105,7 +117,7 @@ def main() -> None:
     model_bytes = build_model(model_path, args.layers)
     me = os.path.abspath(__file__)
     report: dict = {"model_bytes": model_bytes, "nproc": args.nproc, "saves": {}, "consolidate": {}}
-    for mode in ("sync", "async"):
+    for mode in ("sync", "async", "lora"):
         run_dir = os.path.join(args.workdir, f"ckpt-{mode}")
         shutil.rmtree(run_dir, ignore_errors=True)
         result = os.path.join(args.workdir, f"save-{mode}.json")
@@ -125,11 +137,13 @@ def main() -> None:
         report["consolidate"][tool] = run_json(command, result)
 
     print(f"model: {model_bytes / MIB:.0f} MiB ({model_bytes / 4 / 1e6:.0f}M fp32 parameters), {args.nproc} ranks")
-    print("| save mode | blocked per save, median (min–max) s | checkpoint on disk (MiB) |")
-    print("|---|---:|---:|")
+    print("| save mode | blocked per save, median (min–max) s | checkpoint on disk (MiB) | × model | peak RAM per rank (MiB) |")
+    print("|---|---:|---:|---:|---:|")
     for mode, row in report["saves"].items():
-        b = row["blocked_s"]
-        print(f"| {mode} | {statistics.median(b):.2f} ({min(b):.2f}–{max(b):.2f}) | {row['checkpoint_bytes'] / MIB:.0f} |")
+        b, size = row["blocked_s"], row["checkpoint_bytes"]
+        peak = max(row["peak_mib_per_rank"])
+        print(f"| {mode} | {statistics.median(b):.2f} ({min(b):.2f}–{max(b):.2f}) | {size / MIB:.1f} | "
+              f"{size / model_bytes:.3f} | {peak:.0f} |")
     sync, asyn = (statistics.median(report["saves"][m]["blocked_s"]) for m in ("sync", "async"))
     print(f"async / sync blocked time: {asyn / sync:.2f}")
     print("| consolidation | peak RAM above imports (MiB) | × model size | time (s) |")

@@ -1,11 +1,12 @@
 """Peak host RAM of each rank while FSDP2Trainer builds and loads a ~100M-parameter model.
 
 Usage (CPU, 2 ranks; builds the model once under --workdir):
-    python scripts/measure_load_memory.py --nproc 2 [--route path|rank0] [--json out.json]
+    python scripts/measure_load_memory.py --nproc 2 [--route path|rank0|lora] [--json out.json]
 
 For every rank it reports VmHWM (peak resident set) above the VmHWM measured right after imports,
 against the model's size in bytes. 'path' is the default route (each rank reads its own slices of the
-safetensors files); 'rank0' is the fallback (rank 0 reads the whole model and broadcasts it).
+safetensors files); 'rank0' is the fallback (rank 0 reads the whole model and broadcasts it); 'lora' is
+the default route with a peft LoRA on the skeleton (adapters initialized by replaying peft).
 """
 
 from __future__ import annotations
@@ -65,6 +66,10 @@ def worker(args: argparse.Namespace) -> None:
         model = AutoModelForCausalLM.from_pretrained(args.model_path)
     else:
         model = from_pretrained(args.model_path, AutoModelForCausalLM)
+    if args.route == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
     targs = TrainingArguments(output_dir=os.path.join(args.workdir, "run"), report_to=[], use_cpu=True)
     trainer = FSDP2Trainer(model, targs)
     seconds = time.perf_counter() - start
@@ -86,7 +91,9 @@ def dist_rank() -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--route", choices=["path", "rank0"], default="path")
+    parser.add_argument("--route", choices=["path", "rank0", "lora"], default="path",
+                        help="path: each rank reads its slices; rank0: rank 0 loads and broadcasts; "
+                        "lora: path + peft LoRA (r=16, q/k/v/o) on the skeleton")
     parser.add_argument("--layers", type=int, default=12, help="12 layers = 110M parameters")
     parser.add_argument("--workdir", default="/tmp/hf_fsdp2_memory")
     parser.add_argument("--json", default=None, help="also write the table as JSON here")

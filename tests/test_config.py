@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import HfArgumentParser
+from transformers import HfArgumentParser, TrainingArguments
 
 from hf_fsdp2 import FSDP2Config
 from hf_fsdp2.sharding import mixed_precision_policy
@@ -47,10 +47,13 @@ def test_callable_policy_is_accepted_and_summarized():
     assert FSDP2Config(auto_wrap_policy=is_block).to_summary()["auto_wrap_policy"].endswith("is_block")
 
 
-def test_hf_argument_parser_reads_the_config_from_a_command_line():
-    (config,) = HfArgumentParser(FSDP2Config).parse_args_into_dataclasses(
-        ["--auto_wrap_policy", "size_based_wrap", "--min_num_params", "1000", "--defer_gradient_sync", "true"],
+def test_hf_argument_parser_reads_the_config_beside_training_arguments():
+    """One parser for both: no FSDP2Config field may share a name with a TrainingArguments field."""
+    args, config = HfArgumentParser((TrainingArguments, FSDP2Config)).parse_args_into_dataclasses(
+        ["--output_dir", "o", "--auto_wrap_policy", "size_based_wrap", "--min_num_params", "1000",
+         "--defer_gradient_sync", "true", "--fsdp_activation_checkpointing", "--activation_checkpointing", "false"],
     )
+    assert config.fsdp_activation_checkpointing and not args.activation_checkpointing
     assert config.auto_wrap_policy == "size_based_wrap"
     assert config.min_num_params == 1000
     assert config.defer_gradient_sync is True

@@ -53,6 +53,19 @@ def test_bin_checkpoints_load_through_rank0_broadcast(tmp_path, tiny):
     assert_exactly(state, reference(path))
 
 
+def test_lora_on_a_bin_skeleton_loads_through_rank0_exactly_as_peft_on_one_process(tmp_path, tiny):
+    from peft import LoraConfig, get_peft_model
+
+    from tests.workers.load_worker import LORA_KWARGS
+
+    path = tiny("llama", safetensors=False)
+    state, info = load(tmp_path, path, "--route", "from_pretrained", "--lora")
+    set_seed(42)
+    ref = get_peft_model(AutoModelForCausalLM.from_pretrained(path), LoraConfig(**LORA_KWARGS)).state_dict()
+    assert any("lora_A" in k for k in ref)
+    assert_exactly(state, ref)
+
+
 def test_sequence_classification_head_missing_from_checkpoint_matches_from_pretrained(tmp_path, tiny):
     state, info = load(tmp_path, tiny("llama"), "--route", "from_pretrained", "--task", "classify")
     ref = reference(tiny("llama"), AutoModelForSequenceClassification, num_labels=3)

@@ -28,7 +28,7 @@ def args(**kwargs) -> TrainingArguments:
     [
         (None, {}, {}, {}, "FSDP2Trainer needs `model`"),
         ("m", {"model_init": lambda: None}, {}, {}, "does not support `model_init`"),
-        ("m", {}, {"activation_checkpointing": True}, {"activation_checkpointing": True}, "keep only FSDP2Config's"),
+        ("m", {}, {"activation_checkpointing": True}, {"fsdp_activation_checkpointing": True}, "keep only FSDP2Config's"),
     ],
 )
 def test_conflicting_arguments_are_refused(model, kwargs, training, config, message):

@@ -12,10 +12,11 @@ import os
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, TrainingArguments
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, TrainingArguments, set_seed
 
 from hf_fsdp2 import FSDP2Config, FSDP2Trainer, from_pretrained
 
+LORA_KWARGS = dict(r=4, target_modules=["q_proj", "v_proj"])
 CLASSES = {"causal": AutoModelForCausalLM, "classify": AutoModelForSequenceClassification}
 
 
@@ -28,11 +29,13 @@ def parse() -> argparse.Namespace:
     p.add_argument("--hsdp", type=int, default=1)
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--offload", action="store_true")
+    p.add_argument("--lora", action="store_true", help="wrap the model with peft LoRA (q_proj, v_proj)")
     p.add_argument("--rank1-min-params", type=int, default=None, help="give rank 1 a different config")
     return p.parse_args()
 
 
 def build(args: argparse.Namespace, rank: int):
+    set_seed(42)  # weights the checkpoint lacks draw from the RNG as of the skeleton, as in from_pretrained
     kwargs = {"num_labels": 3} if args.task == "classify" else {}
     auto = CLASSES[args.task]
     if args.route == "path":
@@ -55,7 +58,12 @@ def main() -> None:
     training_args = TrainingArguments(
         output_dir=os.path.join(args.out, "run"), report_to=[], seed=42, bf16=args.bf16, use_cpu=True
     )
-    trainer = FSDP2Trainer(build(args, rank), training_args, fsdp2_config=config)
+    model = build(args, rank)
+    if args.lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(from_pretrained(model) if isinstance(model, str) else model, LoraConfig(**LORA_KWARGS))
+    trainer = FSDP2Trainer(model, training_args, fsdp2_config=config)
     model = trainer.model
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     buffers = {f"buffer:{name}": b.detach().cpu().clone() for name, b in model.named_buffers()}

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from datasets import Dataset
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, TrainingArguments
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, TrainingArguments, set_seed
 
 from hf_fsdp2 import FSDP2Config, FSDP2Trainer, from_pretrained
 from tests.tiny_models import tiny_tokenizer
@@ -82,6 +82,10 @@ def parse() -> argparse.Namespace:
     p.add_argument("--async-save", action="store_true")
     p.add_argument("--run-dir", default=None, help="output_dir of the run (default OUT/run)")
     p.add_argument("--tokenizer", action="store_true", help="pass a processing_class")
+    p.add_argument("--lora", default=None, help="LoRA target modules, comma-separated (e.g. q_proj,v_proj)")
+    p.add_argument("--lora-r", type=int, default=4)
+    p.add_argument("--modules-to-save", default=None, help="comma-separated, e.g. score")
+    p.add_argument("--merge-adapters", action="store_true")
     p.add_argument("--kill-in-save", type=int, default=0, help="rank 1 SIGKILLs itself inside its N-th save")
     return p.parse_args()
 
@@ -109,8 +113,32 @@ def kill_inside_save(nth: int) -> None:
 
 
 def build_model(args: argparse.Namespace):
-    """Hand the trainer a path, a meta skeleton, or a real object (on every rank or only rank 0)."""
+    """Hand the trainer a path, a meta skeleton, or a real object; with --lora, wrapped by peft."""
+    # Seeded first, like a single-process script: weights the checkpoint lacks draw from this state.
+    set_seed(args.seed)
+    model = build_base(args)
+    if not args.lora:
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    if isinstance(model, str):
+        model = from_pretrained(model, AutoModelForCausalLM)
+    config = LoraConfig(
+        r=args.lora_r,
+        lora_alpha=2 * args.lora_r,
+        target_modules=args.lora.split(","),
+        modules_to_save=args.modules_to_save.split(",") if args.modules_to_save else None,
+        lora_dropout=0.0,
+        task_type="SEQ_CLS" if args.task == "classify" else "CAUSAL_LM",
+    )
+    return get_peft_model(model, config)
+
+
+def build_base(args: argparse.Namespace):
+    """A path, a meta skeleton, or a real object (on every rank or only rank 0)."""
     if args.task == "classify":
+        if args.load == "object":
+            return AutoModelForSequenceClassification.from_pretrained(args.model, num_labels=3)
         return from_pretrained(args.model, AutoModelForSequenceClassification, num_labels=3)
     if args.load == "path":
         return args.model
@@ -157,11 +185,12 @@ def main() -> None:
         hsdp_replicate_size=args.hsdp,
         auto_wrap_policy=args.wrap,
         reshard_after_forward=args.reshard,
-        activation_checkpointing=args.ac,
+        fsdp_activation_checkpointing=args.ac,
         compile=args.compile,
         cpu_offload=args.offload,
         min_num_params=1000,
         async_save=args.async_save,
+        merge_adapters_on_save=args.merge_adapters,
     )
     if args.kill_in_save:
         kill_inside_save(args.kill_in_save)

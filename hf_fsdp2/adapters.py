@@ -1,0 +1,144 @@
+"""PEFT adapters (LoRA and friends) on a model that will be sharded: which tensors are adapters, which
+checkpoint tensor fills each base tensor, and adapter values on a meta skeleton exactly as peft makes them.
+
+peft puts the adapters of a meta skeleton on the meta device too, after drawing their random values. To
+get those values back without holding the base model, peft's own `get_peft_model` is run again, from the
+skeleton's RNG state, on a stand-in whose every tensor is one element expanded to its shape.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from .skeleton import PretrainedSource, build_skeleton
+
+_PEFT_ROOT = ("base_model", "model")
+# Segments that peft inserts into a base tensor's name: tuner layers keep the base module as `base_layer`,
+# modules_to_save keep the original and one trained copy per adapter.
+_WRAPPER_SEGMENTS = ("base_layer", "original_module")
+_COPIES_SEGMENT = "modules_to_save"
+# Initializations computed from the base weights: they need the real weights where peft runs.
+_WEIGHT_DEPENDENT_INITS = ("pissa", "olora", "loftq", "eva", "corda")
+
+
+def is_peft_model(model: nn.Module) -> bool:
+    """True for a `peft.PeftModel` (what `get_peft_model` and `PeftModel.from_pretrained` return)."""
+    from peft import PeftModel
+
+    return isinstance(model, PeftModel)
+
+
+def adapter_prefix(model: nn.Module) -> Optional[str]:
+    """The name prefix of the tuner's own parameters (`lora_` for LoRA), or None for a plain model."""
+    return model.base_model.prefix if is_peft_model(model) else None
+
+
+def is_adapter_tensor(name: str, prefix: Optional[str]) -> bool:
+    """True for an adapter's own tensor (e.g. `...q_proj.lora_A.default.weight`), which no base checkpoint holds."""
+    return prefix is not None and any(part.startswith(prefix) for part in name.split("."))
+
+
+def base_name(name: str) -> str:
+    """The base model's name for a PEFT model's base tensor: `base_model.model.x.q_proj.base_layer.weight` →
+    `x.q_proj.weight`; a modules_to_save copy maps to the original it was copied from."""
+    parts = name.split(".")
+    if tuple(parts[:2]) == _PEFT_ROOT:
+        parts = parts[2:]
+    out: list[str] = []
+    skip_next = False
+    for part in parts:
+        if skip_next:
+            skip_next = False
+        elif part == _COPIES_SEGMENT:
+            skip_next = True  # the adapter name that follows
+        elif part not in _WRAPPER_SEGMENTS:
+            out.append(part)
+    return ".".join(out)
+
+
+def check_replayable(model: nn.Module) -> None:
+    """Raise ValueError when the adapters' initial values depend on base weights a skeleton does not have."""
+    for adapter, config in model.peft_config.items():
+        reason = _weight_dependent_init(config)
+        if reason:
+            raise ValueError(
+                f"adapter {adapter!r} uses {reason}, computed from the base weights, but the base model is a meta "
+                "skeleton. Build the base with real weights (AutoModel.from_pretrained) before get_peft_model, or "
+                "use the default initialization."
+            )
+
+
+def _weight_dependent_init(config: Any) -> Optional[str]:
+    """Describe an adapter initialization computed from the base weights, or None."""
+    if getattr(config, "use_dora", False):
+        return "use_dora=True (its magnitude vector is the norm of the base weights)"
+    init = getattr(config, "init_lora_weights", True)
+    if isinstance(init, str) and init.startswith(_WEIGHT_DEPENDENT_INITS):
+        return f"init_lora_weights={init!r}"
+    return None
+
+
+def replay_adapters(base: nn.Module, model: nn.Module) -> nn.Module:
+    """Wrap `base` with `model`'s adapters, calling peft as the user did (first adapter, then the others)."""
+    from peft import get_peft_model
+
+    configs = list(model.peft_config.items())
+    name, config = configs[0]
+    replayed = get_peft_model(base, copy.deepcopy(config), adapter_name=name)
+    for name, config in configs[1:]:
+        replayed.add_adapter(name, copy.deepcopy(config))
+    return replayed
+
+
+def _standin(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor of `tensor`'s shape and dtype backed by one element: peft reads device and dtype only."""
+    return torch.zeros((), dtype=tensor.dtype).expand(tensor.shape)
+
+
+def _weightless(model: nn.Module) -> nn.Module:
+    """Replace every meta parameter and buffer of `model` with a one-element stand-in on the CPU."""
+    for module in model.modules():
+        for leaf, param in module._parameters.items():
+            if param is not None:
+                module._parameters[leaf] = nn.Parameter(_standin(param), requires_grad=param.requires_grad)
+        for leaf, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[leaf] = _standin(buffer)
+    return model
+
+
+def replayed_adapter_values(model: nn.Module, source: PretrainedSource, names: list[str]) -> dict[str, torch.Tensor]:
+    """The values peft gave the adapter tensors `names` of a skeleton-based `model` (call under the skeleton's RNG)."""
+    check_replayable(model)
+    replayed = replay_adapters(_weightless(build_skeleton(source.path, source.auto_class, source.kwargs)), model)
+    values = dict(replayed.named_parameters())
+    values.update(replayed.named_buffers())
+    out: dict[str, torch.Tensor] = {}
+    for name in names:
+        value = values.get(name)
+        expected = model.get_parameter(name) if name in dict(model.named_parameters()) else model.get_buffer(name)
+        if value is None or value.shape != expected.shape or value.dtype != expected.dtype:
+            raise ValueError(
+                f"could not reproduce peft's initialization of {name} (got {_describe(value)}, the model has "
+                f"{_describe(expected)}): the adapters were not added with get_peft_model/add_adapter defaults "
+                "(autocast_adapter_dtype?). Build the base with real weights before adding adapters."
+            )
+        out[name] = value.detach().clone()
+    return out
+
+
+def _describe(tensor: Optional[torch.Tensor]) -> str:
+    return "nothing" if tensor is None else f"{tuple(tensor.shape)} {tensor.dtype}"
+
+
+def active_adapter(model: nn.Module) -> str:
+    """The one active adapter (merging and exporting several at once is ambiguous)."""
+    active: Any = model.active_adapter
+    names = [active] if isinstance(active, str) else list(active)
+    if len(names) != 1:
+        raise ValueError(f"{len(names)} adapters are active ({names}); activate one with model.set_adapter(name).")
+    return names[0]
