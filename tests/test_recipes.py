@@ -1,0 +1,50 @@
+"""Recipes run end to end under torchrun on a tiny model and a generated data file."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import torch
+from peft import PeftModel
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from tests.launch import ROOT, run
+from tests.tiny_models import tiny_tokenizer
+
+
+def write_pairs(path: str, n: int) -> None:
+    """Prompt 'tA tB' → response 'tB+1 tB+2': a counting task the LoRA can start to learn."""
+    with open(path, "w") as f:
+        for i in range(n):
+            a, b = 3 + i % 40, 10 + i % 50
+            f.write(json.dumps({"prompt": f"t{a} t{b}", "response": f"t{b + 1} t{b + 2}"}) + "\n")
+
+
+def test_lora_recipe_trains_checkpoints_and_exports_an_adapter(tmp_path, tiny):
+    model = str(tmp_path / "model")
+    shutil.copytree(tiny("llama"), model)
+    tiny_tokenizer().save_pretrained(model)
+    write_pairs(str(tmp_path / "train.jsonl"), 32)
+    out = str(tmp_path / "out")
+    run(
+        os.path.join(ROOT, "recipes", "lora_finetune.py"), 2,
+        "--model_name_or_path", model, "--train_file", str(tmp_path / "train.jsonl"), "--output_dir", out,
+        "--lora_r", "4", "--lora_target_modules", "q_proj,v_proj", "--max_steps", "4", "--save_steps", "2",
+        "--per_device_train_batch_size", "4", "--learning_rate", "1e-2", "--logging_steps", "1",
+        "--report_to", "none", "--use_cpu", "--disable_tqdm", "true",
+    )
+    assert {"adapter_model.safetensors", "adapter_config.json", "tokenizer.json"} <= set(os.listdir(out))
+    assert "pytorch_model_fsdp_0" not in os.listdir(os.path.join(out, "checkpoint-4"))
+    with open(os.path.join(out, "checkpoint-4", "trainer_state.json")) as f:
+        losses = [h["loss"] for h in json.load(f)["log_history"] if "loss" in h]
+    assert len(losses) == 4 and all(loss == loss for loss in losses)
+    assert any(v.abs().sum() > 0 for k, v in load_file(os.path.join(out, "adapter_model.safetensors")).items() if "lora_B" in k)
+    base = AutoModelForCausalLM.from_pretrained(model)
+    probe = torch.tensor([[1, 5, 12]])
+    with torch.no_grad():
+        before = base(input_ids=probe).logits
+        after = PeftModel.from_pretrained(base, out)(input_ids=probe).logits
+    assert not torch.allclose(before, after), "the exported adapter changes the model"
