@@ -115,12 +115,11 @@ def replayed_adapter_values(model: nn.Module, source: PretrainedSource, names: l
     """The values peft gave the adapter tensors `names` of a skeleton-based `model` (call under the skeleton's RNG)."""
     check_replayable(model)
     replayed = replay_adapters(_weightless(build_skeleton(source.path, source.auto_class, source.kwargs)), model)
-    values = dict(replayed.named_parameters())
-    values.update(replayed.named_buffers())
+    values = {**dict(replayed.named_parameters()), **dict(replayed.named_buffers())}
+    wanted = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     out: dict[str, torch.Tensor] = {}
     for name in names:
-        value = values.get(name)
-        expected = model.get_parameter(name) if name in dict(model.named_parameters()) else model.get_buffer(name)
+        value, expected = values.get(name), wanted[name]
         if value is None or value.shape != expected.shape or value.dtype != expected.dtype:
             raise ValueError(
                 f"could not reproduce peft's initialization of {name} (got {_describe(value)}, the model has "
