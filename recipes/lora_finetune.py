@@ -1,26 +1,26 @@
 """LoRA fine-tuning of a causal LM on prompt/response pairs with FSDP2Trainer.
 
-    torchrun --nproc_per_node 2 recipes/lora_finetune.py \
-        --model_name_or_path path/to/model --train_file data.jsonl --output_dir out/lora \
-        --lora_r 16 --lora_target_modules q_proj,k_proj,v_proj,o_proj \
-        --max_steps 100 --per_device_train_batch_size 4 --learning_rate 2e-4 --save_steps 50
+    torchrun --nproc_per_node 2 recipes/lora_finetune.py recipes/configs/lora_finetune.yaml \
+        model_name_or_path=path/to/model train_file=data.jsonl output_dir=out/lora max_steps=100
 
-Every TrainingArguments and FSDP2Config field is a flag too (e.g. --bf16, --activation_checkpointing,
---merge_adapters_on_save). The base model is read as a meta skeleton: each rank loads only its shard.
+The YAML file sets the defaults; `key=value` or `--key value` overrides any field of the recipe,
+TrainingArguments or FSDP2Config (e.g. bf16=true fsdp_activation_checkpointing=true
+merge_adapters_on_save=true). The base model is read as a meta skeleton: each rank loads only its shard.
 Checkpoints are adapter-only (peft's files + sharded optimizer state); at the end `output_dir` holds an
 adapter folder for `PeftModel.from_pretrained(base, output_dir)`, or the merged model with
---merge_adapters_on_save.
+merge_adapters_on_save=true.
 """
-
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Optional
 
 from peft import LoraConfig, get_peft_model
-from transformers import AutoTokenizer, HfArgumentParser, TrainingArguments, set_seed
+from transformers import AutoTokenizer, TrainingArguments, set_seed
 
 from hf_fsdp2 import FSDP2Config, FSDP2Trainer, from_pretrained
+from hf_fsdp2.recipe_args import parse_recipe_args
 from hf_fsdp2.sft_data import read_jsonl, sft_collator, tokenize_pairs
 
 
@@ -44,8 +44,9 @@ class RecipeArguments:
 
 
 def main() -> None:
-    parser = HfArgumentParser((RecipeArguments, TrainingArguments, FSDP2Config))
-    recipe, training_args, fsdp2_config = parser.parse_args_into_dataclasses()
+    recipe, training_args, fsdp2_config = parse_recipe_args(
+        (RecipeArguments, TrainingArguments, FSDP2Config), sys.argv[1:]
+    )
     set_seed(training_args.seed)  # before the skeleton: the adapters draw from this state, as on one process
     tokenizer = AutoTokenizer.from_pretrained(recipe.model_name_or_path)
     targets = recipe.lora_target_modules

@@ -30,11 +30,10 @@ def test_lora_recipe_trains_checkpoints_and_exports_an_adapter(tmp_path, tiny):
     write_pairs(str(tmp_path / "train.jsonl"), 32)
     out = str(tmp_path / "out")
     run(
-        os.path.join(ROOT, "recipes", "lora_finetune.py"), 2,
-        "--model_name_or_path", model, "--train_file", str(tmp_path / "train.jsonl"), "--output_dir", out,
-        "--lora_r", "4", "--lora_target_modules", "q_proj,v_proj", "--max_steps", "4", "--save_steps", "2",
-        "--per_device_train_batch_size", "4", "--learning_rate", "1e-2", "--logging_steps", "1",
-        "--report_to", "none", "--use_cpu", "--disable_tqdm", "true",
+        os.path.join(ROOT, "recipes", "lora_finetune.py"), 2, os.path.join(ROOT, "recipes", "configs", "lora_finetune.yaml"),
+        f"model_name_or_path={model}", f"train_file={tmp_path / 'train.jsonl'}", f"output_dir={out}",
+        "lora_r=4", "lora_target_modules=q_proj,v_proj", "max_steps=4", "save_steps=2", "warmup_steps=0",
+        "--learning_rate", "1e-2", "--logging_steps", "1", "--use_cpu", "--disable_tqdm", "true",
     )
     assert {"adapter_model.safetensors", "adapter_config.json", "tokenizer.json"} <= set(os.listdir(out))
     assert "pytorch_model_fsdp_0" not in os.listdir(os.path.join(out, "checkpoint-4"))

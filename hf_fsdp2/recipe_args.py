@@ -1,0 +1,103 @@
+"""Recipe command lines: a YAML config plus overrides, parsed into dataclasses by `HfArgumentParser`.
+
+    python recipe.py recipes/configs/x.yaml learning_rate=1e-4 --max_steps 50 --bf16
+
+Every field of every dataclass given (TrainingArguments, FSDP2Config, the recipe's own) can be set in
+the YAML file or overridden on the command line; later values win. Values are read as YAML scalars
+and rendered as command-line tokens, so a value means the same in the file and on the command line.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+from typing import Any, Iterable, Optional
+
+import yaml
+from transformers import HfArgumentParser
+
+CONFIG_SUFFIXES = (".yaml", ".yml")
+
+
+def split_config(argv: list[str]) -> tuple[Optional[str], list[str]]:
+    """Return the YAML config path (first `*.yaml` argument or `--config PATH`) and the other arguments."""
+    rest: list[str] = []
+    config: Optional[str] = None
+    tokens = iter(argv)
+    for token in tokens:
+        if token in ("--config", "-c"):
+            config = next(tokens, None)
+            if config is None:
+                raise ValueError("--config needs a path to a YAML file.")
+        elif token.startswith("--config="):
+            config = token.split("=", 1)[1]
+        elif config is None and token.endswith(CONFIG_SUFFIXES) and not token.startswith("-"):
+            config = token
+        else:
+            rest.append(token)
+    return config, rest
+
+
+def override_tokens(tokens: list[str]) -> list[str]:
+    """Rewrite `key=value` overrides as `--key value`; `--key value` and `--flag` pass through."""
+    out: list[str] = []
+    for token in tokens:
+        if token.startswith("-"):
+            out.append(token)
+        elif "=" in token:
+            key, _, value = token.partition("=")
+            out += [f"--{key}", value]
+        elif out and out[-1].startswith("--"):
+            out.append(token)  # the value of a preceding --key
+        else:
+            raise ValueError(f"cannot read {token!r}: write overrides as key=value or --key value.")
+    return out
+
+
+def config_tokens(values: dict[str, Any], parser: HfArgumentParser) -> list[str]:
+    """Render a YAML mapping as command-line tokens, so argparse converts types exactly as on a command line."""
+    actions = {action.dest: action for action in parser._actions}
+    out: list[str] = []
+    for key, value in values.items():
+        if value is None:
+            continue  # the field's default
+        if isinstance(value, bool):
+            out += [f"--{key}", str(value).lower()]
+        elif isinstance(value, list) and actions[key].nargs in ("+", "*"):
+            out += [f"--{key}", *map(str, value)]
+        elif isinstance(value, list):
+            out += [f"--{key}", ",".join(map(str, value))]
+        elif isinstance(value, dict):
+            out += [f"--{key}", json.dumps(value)]
+        else:
+            out += [f"--{key}", str(value)]
+    return out
+
+
+def load_config(path: str) -> dict[str, Any]:
+    """Read a YAML mapping; raise ValueError naming the file when it is missing or not a mapping."""
+    if not os.path.isfile(path):
+        raise ValueError(f"config file {path} does not exist.")
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a YAML mapping of field: value, not {type(data).__name__}.")
+    return data
+
+
+def parse_recipe_args(dataclass_types: Iterable[type], argv: list[str]) -> tuple[Any, ...]:
+    """Build the dataclasses from a YAML config and command-line overrides (overrides win)."""
+    parser = HfArgumentParser(tuple(dataclass_types))
+    config_path, rest = split_config(argv)
+    values = load_config(config_path) if config_path else {}
+    known = {action.dest for action in parser._actions}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        hints = {key: difflib.get_close_matches(key, known, n=1) for key in unknown}
+        described = ", ".join(f"{k} (did you mean {h[0]}?)" if h else k for k, h in hints.items())
+        raise ValueError(
+            f"{config_path}: unknown setting(s) {described}. Every TrainingArguments and FSDP2Config field is allowed."
+        )
+    # argparse keeps the last value given for a field, so command-line overrides win over the file.
+    return parser.parse_args_into_dataclasses(args=config_tokens(values, parser) + override_tokens(rest))
