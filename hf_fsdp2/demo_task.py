@@ -1,0 +1,89 @@
+"""The embedded default: a tiny causal LM, its tokenizer and a synthetic instruction task, all built
+deterministically on this machine (nothing comes from a hub).
+
+The task: `sort : 3 1 4 1 =` → `1 1 3 4` and `reverse : 3 1 4 1 =` → `1 4 1 3`. An untrained model
+scores 0 exact match; a few hundred steps on 2 CPU cores take it well above 0.5.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+OPERATIONS = ("sort", "reverse")
+DIGITS = tuple(str(d) for d in range(10))
+VOCAB = ("<pad>", "<s>", "</s>", *OPERATIONS, ":", "=", *DIGITS)
+EXACT_MATCH_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "metrics", "exact_match.py")
+
+
+def demo_tokenizer() -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over the task's symbols (whitespace-separated)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    vocab = {token: i for i, token in enumerate(VOCAB)}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>", padding_side="left"
+    )
+
+
+def demo_config() -> LlamaConfig:
+    """A 2-layer Llama small enough to learn the task in minutes on a CPU."""
+    return LlamaConfig(
+        vocab_size=len(VOCAB),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=32,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+
+
+def example(rng: random.Random, length: int = 4) -> dict[str, str]:
+    """One prompt/response pair."""
+    operation = rng.choice(OPERATIONS)
+    digits = [rng.choice(DIGITS) for _ in range(length)]
+    answer = sorted(digits) if operation == "sort" else digits[::-1]
+    return {"prompt": f"{operation} : {' '.join(digits)} =", "response": " ".join(answer)}
+
+
+def write_examples(path: str, n: int, seed: int) -> str:
+    """Write `n` examples as JSON lines (the same file for the same seed)."""
+    rng = random.Random(seed)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        for _ in range(n):
+            f.write(json.dumps(example(rng)) + "\n")
+    return path
+
+
+def build_demo(directory: str, train_examples: int = 4000, eval_examples: int = 200, seed: int = 0) -> dict[str, str]:
+    """Create (once) the demo model folder and data files under `directory`; return their paths.
+
+    Rank 0 only: call it before starting ranks, or on rank 0 followed by a barrier.
+    """
+    paths = {
+        "model": os.path.join(directory, "model"),
+        "train": os.path.join(directory, "train.jsonl"),
+        "eval": os.path.join(directory, "eval.jsonl"),
+    }
+    if not os.path.isfile(os.path.join(paths["model"], "model.safetensors")):
+        torch.manual_seed(seed)
+        LlamaForCausalLM(demo_config()).save_pretrained(paths["model"])
+        demo_tokenizer().save_pretrained(paths["model"])
+    if not os.path.isfile(paths["train"]):
+        write_examples(paths["train"], train_examples, seed=seed + 1)
+    if not os.path.isfile(paths["eval"]):
+        write_examples(paths["eval"], eval_examples, seed=seed + 2)
+    return paths
