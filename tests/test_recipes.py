@@ -1,4 +1,5 @@
-"""Recipes run end to end under torchrun on a tiny model and a generated data file."""
+"""Recipes run end to end under torchrun: the main job on the embedded default, and LoRA on your own
+model and data files (a tiny model and a generated file here)."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def test_lora_recipe_trains_checkpoints_and_exports_an_adapter(tmp_path, tiny):
     run(
         os.path.join(ROOT, "recipes", "lora_finetune.py"), 2, os.path.join(ROOT, "recipes", "configs", "lora_finetune.yaml"),
         f"model_name_or_path={model}", f"train_file={tmp_path / 'train.jsonl'}", f"output_dir={out}",
-        "lora_r=4", "lora_target_modules=q_proj,v_proj", "max_steps=4", "save_steps=2", "warmup_steps=0",
+        "lora_r=4", "lora_target_modules=q_proj,v_proj", "max_steps=4", "save_steps=2", "warmup_steps=0", "eval_strategy=no",
         "--learning_rate", "1e-2", "--logging_steps", "1", "--use_cpu", "--disable_tqdm", "true",
     )
     assert {"adapter_model.safetensors", "adapter_config.json", "tokenizer.json"} <= set(os.listdir(out))
@@ -47,3 +48,34 @@ def test_lora_recipe_trains_checkpoints_and_exports_an_adapter(tmp_path, tiny):
         before = base(input_ids=probe).logits
         after = PeftModel.from_pretrained(base, out)(input_ids=probe).logits
     assert not torch.allclose(before, after), "the exported adapter changes the model"
+
+
+def job(tmp_path, recipe: str, *overrides: str) -> dict:
+    """Run a recipe with its shipped config on 2 ranks under tmp_path; return its summary."""
+    out = str(tmp_path / "out")
+    run(
+        os.path.join(ROOT, "recipes", f"{recipe}.py"), 2, os.path.join(ROOT, "recipes", "configs", f"{recipe}.yaml"),
+        f"demo_dir={tmp_path / 'demo'}", f"output_dir={out}", "use_cpu=true", "disable_tqdm=true", *overrides,
+    )
+    with open(os.path.join(out, "job_summary.json")) as f:
+        return json.load(f)
+
+
+def test_main_job_learns_the_embedded_task_and_its_export_reloads(tmp_path):
+    summary = job(tmp_path, "full_finetune", "max_steps=200", "eval_steps=100", "save_steps=100", "eval_generations=64")
+    before, after = summary["before"], summary["after"]
+    assert before["exact_match"] == 0.0 and after["exact_match"] > 0.3
+    assert after["eval_loss"] < before["eval_loss"] / 2
+    # The from_pretrained folder the job exported answers exactly like the sharded model did.
+    assert summary["reloaded"]["exact_match"] == after["exact_match"]
+    out = tmp_path / "out"
+    assert {"model.safetensors", "config.json", "training_curves.png", "checkpoint-200"} <= set(os.listdir(out))
+    assert (out / "training_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(summary["peak_memory_mib_per_rank"]) == 2
+
+
+def test_lora_job_on_the_embedded_task_exports_an_adapter_that_peft_reloads(tmp_path):
+    summary = job(tmp_path, "lora_finetune", "max_steps=100", "eval_steps=100", "save_steps=100", "eval_generations=64")
+    assert summary["after"]["eval_loss"] < summary["before"]["eval_loss"]
+    assert summary["reloaded"]["exact_match"] == summary["after"]["exact_match"]
+    assert {"adapter_model.safetensors", "adapter_config.json"} <= set(os.listdir(tmp_path / "out"))
