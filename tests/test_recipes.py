@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from tests.launch import ROOT, run
+from tests.test_readme import quickstart_main_job
 from tests.tiny_models import tiny_tokenizer
 
 
@@ -50,19 +51,21 @@ def test_lora_recipe_trains_checkpoints_and_exports_an_adapter(tmp_path, tiny):
     assert not torch.allclose(before, after), "the exported adapter changes the model"
 
 
-def job(tmp_path, recipe: str, *overrides: str) -> dict:
-    """Run a recipe with its shipped config on 2 ranks under tmp_path; return its summary."""
+def job(tmp_path, script: str, config: str, *overrides: str, nproc: int = 2) -> dict:
+    """Run a recipe script with a config under tmp_path (shorter, via overrides); return its summary."""
     out = str(tmp_path / "out")
     run(
-        os.path.join(ROOT, "recipes", f"{recipe}.py"), 2, os.path.join(ROOT, "recipes", "configs", f"{recipe}.yaml"),
-        f"demo_dir={tmp_path / 'demo'}", f"output_dir={out}", "use_cpu=true", "disable_tqdm=true", *overrides,
+        os.path.join(ROOT, script), nproc, os.path.join(ROOT, config),
+        f"demo_dir={tmp_path / 'demo'}", f"output_dir={out}", "disable_tqdm=true", *overrides,
     )
     with open(os.path.join(out, "job_summary.json")) as f:
         return json.load(f)
 
 
 def test_main_job_learns_the_embedded_task_and_its_export_reloads(tmp_path):
-    summary = job(tmp_path, "full_finetune", "max_steps=200", "eval_steps=100", "save_steps=100", "eval_generations=64")
+    nproc, (script, config) = quickstart_main_job()  # exactly the README's main job, shortened
+    summary = job(tmp_path, script, config, "max_steps=200", "eval_steps=100", "save_steps=100",
+                  "eval_generations=64", nproc=int(nproc))
     before, after = summary["before"], summary["after"]
     assert before["exact_match"] == 0.0 and after["exact_match"] > 0.3
     assert after["eval_loss"] < before["eval_loss"] / 2
@@ -75,7 +78,40 @@ def test_main_job_learns_the_embedded_task_and_its_export_reloads(tmp_path):
 
 
 def test_lora_job_on_the_embedded_task_exports_an_adapter_that_peft_reloads(tmp_path):
-    summary = job(tmp_path, "lora_finetune", "max_steps=100", "eval_steps=100", "save_steps=100", "eval_generations=64")
+    summary = job(tmp_path, "recipes/lora_finetune.py", "recipes/configs/lora_finetune.yaml", "max_steps=100",
+                  "eval_steps=100", "save_steps=100", "eval_generations=64")
     assert summary["after"]["eval_loss"] < summary["before"]["eval_loss"]
     assert summary["reloaded"]["exact_match"] == summary["after"]["exact_match"]
     assert {"adapter_model.safetensors", "adapter_config.json"} <= set(os.listdir(tmp_path / "out"))
+
+
+def test_the_main_job_runs_across_two_nodes(tmp_path):
+    """Two torchrun agents (one per 'node', here both on localhost) joined by c10d rendezvous."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    _, (script, config) = quickstart_main_job()
+    out = tmp_path / "out"
+    agents = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", "multinode-test",
+             os.path.join(ROOT, script), os.path.join(ROOT, config), f"demo_dir={tmp_path / 'demo'}",
+             f"output_dir={out}", "max_steps=20", "eval_steps=20", "save_steps=10", "eval_generations=16",
+             "disable_tqdm=true"],
+            cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT},
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for _ in range(2)
+    ]
+    logs = [agent.communicate(timeout=600)[0] for agent in agents]
+    assert all(agent.returncode == 0 for agent in agents), logs[0][-3000:] + logs[1][-3000:]
+    with open(out / "job_summary.json") as f:
+        summary = json.load(f)
+    assert len(summary["peak_memory_mib_per_rank"]) == 2, "one rank per node"
+    assert summary["reloaded"]["exact_match"] == summary["after"]["exact_match"]
+    assert len(list((out / "checkpoint-20").glob("pytorch_model_fsdp_0/*.distcp"))) == 2
