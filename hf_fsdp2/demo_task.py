@@ -1,8 +1,10 @@
-"""The embedded default: a tiny causal LM, its tokenizer and a synthetic instruction task, all built
-deterministically on this machine (nothing comes from a hub).
+"""The embedded defaults, built deterministically on this machine (nothing comes from a hub):
 
-The task: `sort : 3 1 4 1 =` → `1 1 3 4` and `reverse : 3 1 4 1 =` → `1 4 1 3`. An untrained model
-scores 0 exact match; a few hundred steps on 2 CPU cores take it well above 0.5.
+- causal LM: a tiny Llama, its tokenizer and a synthetic instruction task, `sort : 3 1 4 1 =` → `1 1 3 4`
+  and `reverse : 3 1 4 1 =` → `1 4 1 3`. An untrained model scores 0 exact match; a few hundred steps on
+  2 CPU cores take it well above 0.5.
+- classification: short sentiment sentences for a pretrained encoder; the eval set uses adjectives that
+  never occur in training, so only pretrained word knowledge can score above chance on it.
 """
 
 from __future__ import annotations
@@ -18,6 +20,16 @@ OPERATIONS = ("sort", "reverse")
 DIGITS = tuple(str(d) for d in range(10))
 VOCAB = ("<pad>", "<s>", "</s>", *OPERATIONS, ":", "=", *DIGITS)
 EXACT_MATCH_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "metrics", "exact_match.py")
+ACCURACY_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "metrics", "accuracy.py")
+# Sentiment words: the first part of each list trains, the rest (unseen in training) evaluates.
+POSITIVE = ("good", "great", "wonderful", "excellent", "delightful", "superb", "lovely", "brilliant",
+            "fantastic", "charming", "marvelous", "splendid", "terrific", "enjoyable", "beautiful", "pleasant")
+NEGATIVE = ("bad", "awful", "terrible", "horrible", "dreadful", "boring", "dull", "poor",
+            "disappointing", "painful", "miserable", "tedious", "mediocre", "unpleasant", "ugly", "annoying")
+SUBJECTS = ("the film", "this movie", "the plot", "the acting", "the ending", "the soundtrack", "the story",
+            "this book", "the dinner", "the service", "the show", "our trip")
+TEMPLATES = ("{s} was {w}.", "i thought {s} was {w}.", "honestly, {s} was {w}.", "{s} is {w} overall.",
+             "everyone agreed that {s} was {w}.")
 
 
 def demo_tokenizer() -> PreTrainedTokenizerFast:
@@ -86,4 +98,26 @@ def build_demo(directory: str, train_examples: int = 4000, eval_examples: int = 
         write_examples(paths["train"], train_examples, seed=seed + 1)
     if not os.path.isfile(paths["eval"]):
         write_examples(paths["eval"], eval_examples, seed=seed + 2)
+    return paths
+
+
+def sentiment_example(rng: random.Random, split: str) -> dict:
+    """One sentence with label 1 (positive) or 0 (negative); train and eval use disjoint adjectives."""
+    label = rng.randrange(2)
+    words = POSITIVE if label else NEGATIVE
+    words = words[:10] if split == "train" else words[10:]
+    sentence = rng.choice(TEMPLATES).format(s=rng.choice(SUBJECTS), w=rng.choice(words))
+    return {"text": sentence, "label": label}
+
+
+def build_sentiment(directory: str, train_examples: int = 512, eval_examples: int = 128, seed: int = 0) -> dict[str, str]:
+    """Write (once) the sentiment train/eval JSON-lines files under `directory`; return their paths."""
+    paths = {"train": os.path.join(directory, "sentiment_train.jsonl"), "eval": os.path.join(directory, "sentiment_eval.jsonl")}
+    for split, n, offset in (("train", train_examples, 1), ("eval", eval_examples, 2)):
+        if not os.path.isfile(paths[split]):
+            rng = random.Random(seed + offset)
+            os.makedirs(directory, exist_ok=True)
+            with open(paths[split], "w") as f:
+                for _ in range(n):
+                    f.write(json.dumps(sentiment_example(rng, split)) + "\n")
     return paths

@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from datasets import Dataset
-from transformers import DataCollatorForSeq2Seq, PreTrainedTokenizerBase
+from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening, PreTrainedTokenizerBase
 
 IGNORE_INDEX = -100
 
@@ -57,8 +57,27 @@ def tokenize_pairs(
     return kept
 
 
-def sft_collator(tokenizer: PreTrainedTokenizerBase) -> DataCollatorForSeq2Seq:
-    """Pad inputs with the pad token and labels with -100, to the longest sequence in the batch."""
+def sft_collator(tokenizer: PreTrainedTokenizerBase, packing: bool = False) -> Any:
+    """Batches for causal-LM fine-tuning.
+
+    padding: inputs padded with the pad token and labels with -100 to the longest sequence in the batch.
+    packing: the batch's examples concatenated into one row with position ids restarting at each example,
+    no padding at all; attention stays within each example for attention implementations that read
+    packed position ids (sdpa and flash attention in transformers 5; tested on Llama with sdpa), and only
+    after `prepare_for_packing(model)`.
+    """
+    if packing:
+        return DataCollatorWithFlattening(return_position_ids=True, separator_id=IGNORE_INDEX)
     if tokenizer.pad_token_id is None:
         raise ValueError("the tokenizer has no pad token; set tokenizer.pad_token (e.g. to its eos token).")
     return DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=IGNORE_INDEX)
+
+
+def prepare_for_packing(model: Any) -> None:
+    """Turn off the KV cache for training on packed rows.
+
+    NOTE: with `use_cache=True` (most configs' default) transformers 5 builds a cache even in a training
+    forward and then skips packed-sequence detection, so packed examples silently attend to each other
+    (measured: logits off by 0.18 on a tiny Llama). Generation still uses the cache (generation_config).
+    """
+    model.config.use_cache = False

@@ -22,7 +22,7 @@ from .config import FSDP2Config
 from .demo_task import EXACT_MATCH_PATH, build_demo
 from .distributed import init_distributed, is_rank0
 from .plot import line_chart_png
-from .sft_data import read_jsonl, sft_collator, tokenize_pairs
+from .sft_data import prepare_for_packing, read_jsonl, sft_collator, tokenize_pairs
 from .skeleton import from_pretrained
 from .trainer import FSDP2Trainer
 
@@ -44,6 +44,10 @@ class SFTArguments:
     prompt_column: str = field(default="prompt")
     response_column: str = field(default="response")
     max_length: int = field(default=512, metadata={"help": "Longest tokenized example (prompt + response)."})
+    packing: bool = field(
+        default=False,
+        metadata={"help": "Concatenate each batch's examples into one row (no padding; position ids restart per example)."},
+    )
     eval_generations: int = field(default=200, metadata={"help": "Eval prompts to generate for exact match (0: none)."})
     max_new_tokens: int = field(default=32, metadata={"help": "Generation length cap for exact match."})
     show_generations: int = field(default=3, metadata={"help": "Generations printed in the summary."})
@@ -109,6 +113,8 @@ def run_sft(
         from peft import get_peft_model
 
         model = get_peft_model(model, lora.to_peft())
+    if args.packing:
+        prepare_for_packing(model)
     columns = dict(prompt_column=args.prompt_column, response_column=args.response_column)
     train = tokenize_pairs(read_jsonl(args.train_file), tokenizer, args.max_length, **columns)
     eval_rows = read_jsonl(args.eval_file) if args.eval_file else None
@@ -118,7 +124,7 @@ def run_sft(
         fsdp2_config=fsdp2_config,
         train_dataset=train,
         eval_dataset=tokenize_pairs(eval_rows, tokenizer, args.max_length, **columns) if eval_rows else None,
-        data_collator=sft_collator(tokenizer),
+        data_collator=sft_collator(tokenizer, packing=args.packing),
         processing_class=tokenizer,
     )
     summary: dict[str, Any] = {"before": evaluate_job(trainer, tokenizer, eval_rows, args)}
