@@ -8,8 +8,6 @@ With `model_name_or_path="minilm"` it fine-tunes the real pretrained all-MiniLM-
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
@@ -21,9 +19,8 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer, Trai
 from .config import FSDP2Config
 from .demo_task import ACCURACY_PATH, build_sentiment
 from .distributed import init_distributed, is_rank0
-from .plot import line_chart_png
 from .sft_data import read_jsonl
-from .sft_job import CURVES_FILE, SUMMARY_FILE, peak_memory_per_rank
+from .sft_job import CURVES_FILE, SUMMARY_FILE, peak_memory_per_rank, write_outputs
 from .skeleton import from_pretrained
 from .trainer import FSDP2Trainer
 
@@ -134,15 +131,7 @@ def reloaded_accuracy(output_dir: str, eval_set: Any) -> dict[str, float]:
 
 def finish(summary: dict[str, Any], trainer: FSDP2Trainer, output_dir: str) -> None:
     """Rank 0: write the curves PNG and summary JSON, and print the summary."""
-    history = trainer.state.log_history
-    curves = {
-        "train loss": [(h["step"], h["loss"]) for h in history if "loss" in h],
-        "eval accuracy": [(h["step"], h["eval_accuracy"]) for h in history if "eval_accuracy" in h],
-    }
-    if any(curves.values()):
-        line_chart_png(curves, os.path.join(output_dir, CURVES_FILE))
-    with open(os.path.join(output_dir, SUMMARY_FILE), "w") as f:
-        json.dump(summary, f, indent=2)
+    write_outputs(summary, trainer.state.log_history, output_dir, {"train loss": "loss", "eval accuracy": "eval_accuracy"})
     before, after = summary["before"], summary["after"]
     lines = ["", "=== hf_fsdp2 classification summary ==="]
     for key in ("eval_loss", "eval_accuracy"):

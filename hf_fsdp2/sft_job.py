@@ -232,17 +232,19 @@ def _vm_hwm_kib() -> int:
     return 0
 
 
-def finish(summary: dict[str, Any], trainer: FSDP2Trainer, output_dir: str, args: SFTArguments) -> None:
-    """Rank 0: write the curves PNG and the summary JSON, and print the summary."""
-    history = trainer.state.log_history
-    curves = {
-        "train loss": [(h["step"], h["loss"]) for h in history if "loss" in h],
-        "eval loss": [(h["step"], h["eval_loss"]) for h in history if "eval_loss" in h],
-    }
-    if any(curves.values()):
-        line_chart_png(curves, os.path.join(output_dir, CURVES_FILE))
+def write_outputs(summary: dict[str, Any], history: list[dict[str, Any]], output_dir: str, curves: dict[str, str]) -> dict:
+    """Rank 0: write the summary JSON and a PNG of the logged `curves` (panel title → log key); return them."""
+    points = {title: [(h["step"], h[key]) for h in history if key in h] for title, key in curves.items()}
+    if any(points.values()):
+        line_chart_png(points, os.path.join(output_dir, CURVES_FILE))
     with open(os.path.join(output_dir, SUMMARY_FILE), "w") as f:
         json.dump(summary, f, indent=2)
+    return points
+
+
+def finish(summary: dict[str, Any], trainer: FSDP2Trainer, output_dir: str, args: SFTArguments) -> None:
+    """Rank 0: write the curves PNG and the summary JSON, and print the summary."""
+    curves = write_outputs(summary, trainer.state.log_history, output_dir, {"train loss": "loss", "eval loss": "eval_loss"})
     print(render_summary(summary, output_dir, curves))
 
 

@@ -35,7 +35,6 @@ from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
-import torch.distributed as dist
 from transformers import Trainer, TrainingArguments
 from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME, TRAINING_ARGS_NAME
 from transformers.trainer_callback import ExportableState
