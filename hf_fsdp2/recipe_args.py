@@ -100,4 +100,15 @@ def parse_recipe_args(dataclass_types: Iterable[type], argv: list[str]) -> tuple
             f"{config_path}: unknown setting(s) {described}. Every TrainingArguments and FSDP2Config field is allowed."
         )
     # argparse keeps the last value given for a field, so command-line overrides win over the file.
-    return parser.parse_args_into_dataclasses(args=config_tokens(values, parser) + override_tokens(rest))
+    tokens = _cpu_default(known) + config_tokens(values, parser) + override_tokens(rest)
+    return parser.parse_args_into_dataclasses(args=tokens)
+
+
+def _cpu_default(known: set[str]) -> list[str]:
+    """Default `use_cpu` to true on a machine without an accelerator (the file or command line may override).
+
+    Without it, Accelerate on a CPU-only machine sees one process under torchrun and Trainer would not split
+    the data across ranks (FSDP2Trainer refuses that combination)."""
+    import torch
+
+    return ["--use_cpu", "true"] if "use_cpu" in known and not torch.accelerator.is_available() else []

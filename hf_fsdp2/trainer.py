@@ -34,6 +34,7 @@ import os
 from typing import Any, Iterator, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from transformers import Trainer, TrainingArguments
 from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME, TRAINING_ARGS_NAME
@@ -74,6 +75,7 @@ class FSDP2Trainer(Trainer):
         self.fsdp2_config = fsdp2_config if fsdp2_config is not None else FSDP2Config()
         _validate_args(model, args, self.fsdp2_config, trainer_kwargs)
         init_distributed()
+        _check_world_size(args)
         # Same seed as a single-process from_pretrained, so new heads are initialized identically.
         set_seed(args.seed)
         if isinstance(model, (str, os.PathLike)):
@@ -288,6 +290,17 @@ def _validate_args(model: Any, args: TrainingArguments, config: FSDP2Config, kwa
         raise ValueError(
             "Both TrainingArguments(activation_checkpointing=True) and FSDP2Config(fsdp_activation_checkpointing=True) "
             "are set; keep only FSDP2Config's, which checkpoints each FSDP unit."
+        )
+
+
+def _check_world_size(args: TrainingArguments) -> None:
+    """Refuse a Trainer that sees one process while torchrun started several (it would not split the data)."""
+    launched = dist.get_world_size()
+    if launched > 1 and args.world_size != launched:
+        raise ValueError(
+            f"torchrun started {launched} processes but TrainingArguments sees world_size={args.world_size}, so "
+            "every rank would train on the same batches. On a machine without GPUs pass use_cpu=True "
+            "(--use_cpu true), which lets Accelerate see the CPU process group."
         )
 
 

@@ -38,3 +38,13 @@ def test_unknown_settings_are_named_with_a_suggestion(tmp_path):
         parse_recipe_args((TrainingArguments, FSDP2Config), [config])
     with pytest.raises(ValueError, match="does not exist"):
         parse_recipe_args((TrainingArguments,), [str(tmp_path / "missing.yaml")])
+
+
+def test_use_cpu_defaults_to_true_without_an_accelerator_and_can_be_overridden(tmp_path):
+    import torch
+
+    config = write(tmp_path, "output_dir: out\n")
+    (args,) = parse_recipe_args((TrainingArguments,), [config])
+    assert args.use_cpu is (not torch.accelerator.is_available())
+    (args,) = parse_recipe_args((TrainingArguments,), [config, "use_cpu=false"])
+    assert args.use_cpu is False

@@ -69,3 +69,14 @@ def test_classification_losses_are_recognized_as_ignoring_num_items(tiny):
 
     assert not _loss_uses_num_items(AutoModelForSequenceClassification.from_pretrained(tiny("llama"), num_labels=3))
     assert _loss_uses_num_items(AutoModelForCausalLM.from_pretrained(tiny("llama")))
+
+
+def test_a_trainer_that_sees_one_process_under_torchrun_is_refused(tmp_path, tiny):
+    """Without use_cpu on a CPU machine, Accelerate sees world size 1: every rank would train on the same data."""
+    import torch
+
+    if torch.accelerator.is_available():
+        pytest.skip("only a machine without accelerators has this trap")
+    proc = run("train_worker.py", 2, "--model", tiny("llama"), "--out", str(tmp_path), "--no-use-cpu", expect_ok=False)
+    assert proc.returncode != 0
+    assert "sees world_size=1, so every rank would train on the same batches" in proc.stderr

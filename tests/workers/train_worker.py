@@ -86,6 +86,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--lora-r", type=int, default=4)
     p.add_argument("--modules-to-save", default=None, help="comma-separated, e.g. score")
     p.add_argument("--merge-adapters", action="store_true")
+    p.add_argument("--no-use-cpu", action="store_true", help="leave use_cpu off even without a GPU")
     p.add_argument("--kill-in-save", type=int, default=0, help="rank 1 SIGKILLs itself inside its N-th save")
     return p.parse_args()
 
@@ -176,7 +177,7 @@ def main() -> None:
         report_to=[],
         seed=args.seed,
         bf16=args.bf16,
-        use_cpu=not torch.cuda.is_available(),
+        use_cpu=not torch.cuda.is_available() and not args.no_use_cpu,
         disable_tqdm=True,
         dataloader_num_workers=0,
     )
