@@ -59,7 +59,7 @@ def check_trainable_are_saved(model: nn.Module) -> None:
             )
 
 
-def _full(tensor: torch.Tensor) -> torch.Tensor:
+def full_copy(tensor: torch.Tensor) -> torch.Tensor:
     """A full copy of a possibly sharded tensor (collective for DTensors)."""
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach().clone()
 
@@ -71,7 +71,7 @@ def save_adapter(model: nn.Module, directory: str) -> int:
     """
     written = 0
     for adapter, config in model.peft_config.items():
-        full = {key: _full(tensor).cpu().contiguous() for key, tensor in adapter_state(model, adapter).items()}
+        full = {key: full_copy(tensor).cpu().contiguous() for key, tensor in adapter_state(model, adapter).items()}
         if not is_rank0():
             continue
         out = adapter_dir(directory, adapter)
@@ -214,11 +214,11 @@ def _delta_weight(layer: nn.Module, adapter: str) -> torch.Tensor:
         modules: Optional[nn.ModuleDict] = layer._modules.get(attr)
         if modules is not None and adapter in modules:
             inner = copy.copy(modules[adapter])
-            inner._parameters = {k: None if p is None else nn.Parameter(_full(p)) for k, p in inner._parameters.items()}
+            inner._parameters = {k: None if p is None else nn.Parameter(full_copy(p)) for k, p in inner._parameters.items()}
             clone._modules[attr] = nn.ModuleDict({adapter: inner})
     for attr in ("lora_embedding_A", "lora_embedding_B"):
         params: Optional[nn.ParameterDict] = layer._modules.get(attr)
         if params is not None and adapter in params:
-            clone._modules[attr] = nn.ParameterDict({adapter: nn.Parameter(_full(params[adapter]))})
+            clone._modules[attr] = nn.ParameterDict({adapter: nn.Parameter(full_copy(params[adapter]))})
     with torch.no_grad():
         return clone.get_delta_weight(adapter)

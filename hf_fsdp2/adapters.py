@@ -14,7 +14,6 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from .skeleton import PretrainedSource, build_skeleton
 
 _PEFT_ROOT = ("base_model", "model")
 # Segments that peft inserts into a base tensor's name: tuner layers keep the base module as `base_layer`,
@@ -111,10 +110,12 @@ def _weightless(model: nn.Module) -> nn.Module:
     return model
 
 
-def replayed_adapter_values(model: nn.Module, source: PretrainedSource, names: list[str]) -> dict[str, torch.Tensor]:
-    """The values peft gave the adapter tensors `names` of a skeleton-based `model` (call under the skeleton's RNG)."""
+def replayed_adapter_values(model: nn.Module, base: nn.Module, names: list[str]) -> dict[str, torch.Tensor]:
+    """The values peft gave the adapter tensors `names` of a skeleton-based `model` (call under the skeleton's RNG).
+
+    `base` is a fresh meta skeleton of the unwrapped model; it is turned into the stand-in peft runs on."""
     check_replayable(model)
-    replayed = replay_adapters(_weightless(build_skeleton(source.path, source.auto_class, source.kwargs)), model)
+    replayed = replay_adapters(_weightless(base), model)
     values = {**dict(replayed.named_parameters()), **dict(replayed.named_buffers())}
     wanted = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     out: dict[str, torch.Tensor] = {}

@@ -20,7 +20,7 @@ from .config import FSDP2Config
 from .demo_task import ACCURACY_PATH, build_sentiment
 from .distributed import init_distributed, is_rank0
 from .sft_data import read_jsonl
-from .sft_job import CURVES_FILE, SUMMARY_FILE, peak_memory_per_rank, write_outputs
+from .sft_job import peak_memory_per_rank, render_summary, write_outputs
 from .skeleton import from_pretrained
 from .trainer import FSDP2Trainer
 
@@ -131,15 +131,7 @@ def reloaded_accuracy(output_dir: str, eval_set: Any) -> dict[str, float]:
 
 def finish(summary: dict[str, Any], trainer: FSDP2Trainer, output_dir: str) -> None:
     """Rank 0: write the curves PNG and summary JSON, and print the summary."""
-    write_outputs(summary, trainer.state.log_history, output_dir, {"train loss": "loss", "eval accuracy": "eval_accuracy"})
-    before, after = summary["before"], summary["after"]
-    lines = ["", "=== hf_fsdp2 classification summary ==="]
-    for key in ("eval_loss", "eval_accuracy"):
-        if key in before:
-            lines.append(f"{key:>14}: {before[key]:.4f} before → {after[key]:.4f} after training")
-    if "reloaded" in summary:
-        lines.append(f"{'reloaded':>14}: accuracy {summary['reloaded']['accuracy']:.4f} from {output_dir}")
-    memory = ", ".join(f"rank {r}: {m['host_mib']:.0f} MiB" for r, m in enumerate(summary["peak_memory_mib_per_rank"]))
-    lines.append(f"peak memory: {memory}")
-    lines.append(f"outputs: {output_dir} (model, checkpoint-*/, {SUMMARY_FILE}, {CURVES_FILE}: train loss / eval accuracy)")
-    print("\n".join(lines))
+    curves = write_outputs(
+        summary, trainer.state.log_history, output_dir, {"train loss": "loss", "eval accuracy": "eval_accuracy"}
+    )
+    print(render_summary(summary, output_dir, curves, "classification", ("eval_loss", "eval_accuracy")))

@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.tensor import DTensor
 
 from .checkpoint import (
     MODEL_KEY,
@@ -25,7 +24,7 @@ from .checkpoint import (
     read_metadata,
     validate_checkpoint,
 )
-from .adapter_checkpoint import merged_state, save_adapter
+from .adapter_checkpoint import full_copy, merged_state, save_adapter
 from .adapters import is_peft_model
 from .config import resolve_dtype
 from .distributed import is_rank0
@@ -179,7 +178,7 @@ def _write_weights_gathered(model: nn.Module, staging: str, dtype: Optional[str]
 
     def fetch(spec: TensorSpec) -> Optional[torch.Tensor]:
         tensor = state[spec.name]
-        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach().clone()
+        full = full_copy(tensor)
         if merge is not None:
             full = merge(spec.name, full)
         return full if is_rank0() else None

@@ -184,7 +184,7 @@ def initial_values(model: nn.Module, plan: SafetensorsPlan, state: torch.Tensor)
         # A PEFT model's base is initialized as the unwrapped model it was built from, then its adapters.
         pristine = build_skeleton(source.path, source.auto_class, source.kwargs)
         base_values = init_missing(pristine, sorted({base_name(n) for n in plan.missing}))
-        values = replayed_adapter_values(model, source, replay) if replay else {}
+        values = replayed_adapter_values(model, pristine, replay) if replay else {}
     for name, _ in [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]:
         if base_name(name) in base_values and name not in plan.adapters:
             values[name] = base_values[base_name(name)]

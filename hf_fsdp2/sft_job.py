@@ -136,7 +136,7 @@ def run_sft(
         summary["reloaded"] = exact_match(reloaded, tokenizer, eval_rows, args, desc="Reloaded export")
     summary["peak_memory_mib_per_rank"] = peak_memory_per_rank()
     if is_rank0():
-        finish(summary, trainer, training_args.output_dir, args)
+        finish(summary, trainer, training_args.output_dir)
     return summary
 
 
@@ -242,21 +242,25 @@ def write_outputs(summary: dict[str, Any], history: list[dict[str, Any]], output
     return points
 
 
-def finish(summary: dict[str, Any], trainer: FSDP2Trainer, output_dir: str, args: SFTArguments) -> None:
+def finish(summary: dict[str, Any], trainer: FSDP2Trainer, output_dir: str) -> None:
     """Rank 0: write the curves PNG and the summary JSON, and print the summary."""
     curves = write_outputs(summary, trainer.state.log_history, output_dir, {"train loss": "loss", "eval loss": "eval_loss"})
-    print(render_summary(summary, output_dir, curves))
+    print(render_summary(summary, output_dir, curves, "job", ("eval_loss", "exact_match")))
 
 
-def render_summary(summary: dict[str, Any], output_dir: str, curves: dict[str, list]) -> str:
-    """The job's result in a few lines."""
+def render_summary(
+    summary: dict[str, Any], output_dir: str, curves: dict[str, list], title: str, metrics: tuple[str, ...]
+) -> str:
+    """A job's result in a few lines: `metrics` before/after, the reloaded export's score, examples, memory."""
     before, after = summary.get("before", {}), summary.get("after", {})
-    lines = ["", "=== hf_fsdp2 job summary ==="]
-    for key in ("eval_loss", "exact_match"):
+    width = max(len(key) for key in (*metrics, "reloaded"))
+    lines = ["", f"=== hf_fsdp2 {title} summary ==="]
+    for key in metrics:
         if key in before:
-            lines.append(f"{key:>12}: {before[key]:.4f} before → {after[key]:.4f} after training")
-    if "reloaded" in summary:
-        lines.append(f"{'reloaded':>12}: exact match {summary['reloaded'].get('exact_match', 0):.4f} from {output_dir}")
+            lines.append(f"{key:>{width}}: {before[key]:.4f} before → {after[key]:.4f} after training")
+    for key, score in summary.get("reloaded", {}).items():
+        if key != "examples":
+            lines.append(f"{'reloaded':>{width}}: {key} {score:.4f} from {output_dir}")
     for example in after.get("examples", []):
         lines.append(f"  {example['prompt']!r} → {example['generated']!r} (expected {example['expected']!r})")
     memory = ", ".join(
@@ -264,6 +268,6 @@ def render_summary(summary: dict[str, Any], output_dir: str, curves: dict[str, l
         for r, m in enumerate(summary["peak_memory_mib_per_rank"])
     )
     lines.append(f"peak memory: {memory}")
-    panels = " / ".join(f"{name} (top to bottom)" for name, points in curves.items() if points)
-    lines.append(f"outputs: {output_dir} (model, checkpoint-*/, {SUMMARY_FILE}, {CURVES_FILE}: {panels})")
+    panels = " / ".join(name for name, points in curves.items() if points)
+    lines.append(f"outputs: {output_dir} (model, checkpoint-*/, {SUMMARY_FILE}, {CURVES_FILE}: {panels}, top to bottom)")
     return "\n".join(lines)

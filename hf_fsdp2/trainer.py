@@ -183,12 +183,13 @@ class FSDP2Trainer(Trainer):
         for save in pending:
             getattr(save, "upload_completion", save).result()
         commit_checkpoint(staging, final)
-        if self._peft:
+        if self._peft and is_rank0():
+            size = _folder_bytes(final)
             log_rank0(
                 "%s: %.2f MiB on disk (adapter + optimizer state), %.2f%% of the %.1f MiB base model.",
                 os.path.basename(final),
-                _folder_bytes(final) / 2**20,
-                100 * _folder_bytes(final) / max(self._base_model_bytes, 1),
+                size / 2**20,
+                100 * size / max(self._base_model_bytes, 1),
                 self._base_model_bytes / 2**20,
             )
         if self.state.best_global_step:
