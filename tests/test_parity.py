@@ -54,6 +54,14 @@ def test_two_ranks_match_one_process(out_root, tiny, model, defer):
     assert_same_run(got, ref)
 
 
+def test_only_the_blocks_reshard_after_forward(out_root, tiny):
+    """The root (embedding, norm, head) stays gathered into backward; resharding it only adds an all-gather."""
+    result, _ = train(out_root, tiny("llama"), 2)
+    flags = result["resharded_after_forward"]
+    assert flags.pop("<root>") is False
+    assert flags and all(flags.values()), flags
+
+
 def test_weights_changed_during_training(out_root, tiny):
     """Guard against a vacuous parity: training must move the weights well beyond the tolerance."""
     from transformers import AutoModelForCausalLM

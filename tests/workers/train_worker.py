@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from datasets import Dataset
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import FSDPModule
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, TrainingArguments, set_seed
 
 from hf_fsdp2 import FSDP2Config, FSDP2Trainer, from_pretrained
@@ -216,6 +217,11 @@ def main() -> None:
     result["steps"] = [h["step"] for h in history]
     result["losses"] = [h["loss"] for h in history]
     result["grad_norms"] = [h["grad_norm"] for h in history]
+    result["resharded_after_forward"] = {
+        name or "<root>": module._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info is not None
+        for name, module in trainer.model.named_modules()
+        if isinstance(module, FSDPModule) and module._get_fsdp_state()._fsdp_param_group is not None
+    }
     result["eval_after"] = trainer.evaluate()["eval_loss"]
     probe = torch.tensor([[5, 9, 13, 17, 21, 25, 29, 33]], device=training_args.device)
     trainer.model.eval()
