@@ -30,19 +30,19 @@ def vm_kib(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def build_model(path: str, layers: int) -> int:
-    """Save a ~100M-parameter Llama (fp32) under `path` once; return its size in bytes."""
+def build_model(path: str, layers: int, hidden: int = 768, vocab: int = 16000, tied: bool = False) -> int:
+    """Save a Llama (fp32; 12 layers of 768 = ~100M parameters) under `path` once; return its size in bytes."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=16000,
-        hidden_size=768,
-        intermediate_size=2048,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=hidden * 8 // 3,
         num_hidden_layers=layers,
-        num_attention_heads=12,
-        num_key_value_heads=12,
-        tie_word_embeddings=False,
+        num_attention_heads=max(hidden // 64, 1),
+        num_key_value_heads=max(hidden // 64, 1),
+        tie_word_embeddings=tied,
     )
     if not os.path.exists(os.path.join(path, "config.json")):
         torch.manual_seed(0)

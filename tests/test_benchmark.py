@@ -1,0 +1,97 @@
+"""`scripts/benchmark.py` keeps working: every system runs on a tiny model, they train the same, and the
+tables, JSON and PNG come out. No timing is asserted; the pure report logic is checked on fixed numbers."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.launch import ROOT
+
+SCRIPTS = os.path.join(ROOT, "scripts")
+sys.path.insert(0, SCRIPTS)
+
+from benchmark import SYSTEMS  # noqa: E402
+from benchmark_report import render_markdown, summarize  # noqa: E402
+
+FSDP_SYSTEMS = ("hf_fsdp2", "hf_fsdp2_async", "accelerate_fsdp2", "transformers_fsdp2")
+
+
+def test_quick_benchmark_runs_every_system_and_they_train_the_same(tmp_path):
+    out = tmp_path / "bench"
+    command = [
+        sys.executable, os.path.join(SCRIPTS, "benchmark.py"), "--quick", "--repeats", "1", "--steps", "4",
+        "--layers", "1", "--hidden", "64", "--vocab", "128", "--seq-len", "16", "--workdir", str(tmp_path / "work"),
+        "--json", f"{out}.json", "--png", f"{out}.png", "--markdown", f"{out}.md",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    result = json.loads((tmp_path / "bench.json").read_text())
+    summary, runs = result["summary"], result["runs"]
+    assert list(summary["systems"]) == list(SYSTEMS)
+    # Same data, batch, seed and schedule: every system ends at DDP's loss, and resumes to the same next loss.
+    assert all(diff < 1e-4 for diff in summary["loss_agreement"]["max_abs_diff"].values()), summary["loss_agreement"]
+    resumed = {s: runs[s][0]["ranks"][0].get("loss_after_resume") for s in ("hf_fsdp2", "accelerate_fsdp2", "ddp")}
+    assert max(resumed.values()) - min(resumed.values()) < 1e-4, resumed
+    for system in FSDP_SYSTEMS:
+        assert runs[system][0]["ranks"][0]["sharded_fraction"] == 1.0, system
+    assert runs["ddp"][0]["ranks"][0]["sharded_fraction"] == 0.0
+    # On a machine without accelerators the harness must have forced Accelerate's FSDP2 path, and say so.
+    assert "forced its FSDP2 plugin" in summary["systems"]["accelerate_fsdp2"]["notes"]
+    # Tied embedding written once: our checkpoint is no larger than Accelerate's.
+    assert summary["systems"]["hf_fsdp2"]["checkpoint_mib"]["median"] <= summary["systems"]["accelerate_fsdp2"]["checkpoint_mib"]["median"]
+    for key in ("load_s", "load_peak_mib", "step_s", "save_s", "resume_s", "consolidate_s", "consolidate_peak_mib"):
+        assert summary["systems"]["hf_fsdp2"][key]["median"] > 0, key
+    assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    markdown = (tmp_path / "bench.md").read_text()
+    assert "| metric | hf_fsdp2 | hf_fsdp2_async | accelerate_fsdp2 | transformers_fsdp2 | ddp |" in markdown
+    assert "blocked save time with async_save" in markdown
+
+    rerendered = subprocess.run([sys.executable, os.path.join(SCRIPTS, "benchmark.py"), "--from-json", f"{out}.json"],
+                                capture_output=True, text=True, env=env, cwd=ROOT)
+    assert rerendered.returncode == 0, rerendered.stderr[-3000:]
+    assert markdown.strip() in rerendered.stdout
+
+
+def _run(load_s: float, step_s: float, save_s: float, ckpt_mib: float, consolidate: tuple[float, float] | None) -> dict:
+    rank = {"load_s": load_s, "load_peak_mib": 100.0, "step_s": [9.0, 9.0, step_s, step_s], "losses": [2.0, 1.5],
+            "final_loss": 1.5, "save_s": [save_s, save_s], "train_peak_mib": 500.0, "resume_s": [0.5, 0.25],
+            "loss_after_resume": 1.4, "load_gpu_peak_mib": None, "train_gpu_peak_mib": None}
+    run = {"ranks": [rank, dict(rank, load_peak_mib=120.0)], "checkpoint_bytes": ckpt_mib * 2**20}
+    if consolidate:
+        run["consolidate"] = {"seconds": consolidate[0], "peak_mib": consolidate[1]}
+    return run
+
+
+def test_summary_ratios_and_targets_on_fixed_numbers():
+    args = argparse.Namespace(warmup=2, batch=1, nproc=2, seq_len=64, hidden=64, layers=1, vocab=128, repeats=2,
+                              steps=4)
+    runs = {
+        "hf_fsdp2": [_run(2.0, 1.0, 2.0, 300, (1.0, 50)), _run(4.0, 1.2, 2.0, 300, (1.0, 50))],
+        "hf_fsdp2_async": [_run(2.0, 1.0, 0.5, 300, None)] * 2,
+        "accelerate_fsdp2": [_run(5.0, 1.0, 3.0, 400, (2.0, 300))] * 2,
+    }
+    summary = summarize(runs, args, model_bytes=200 * 2**20)
+    ours = summary["systems"]["hf_fsdp2"]
+    # Steady state leaves the warm-up steps out; the slowest rank and the worst rank count.
+    assert ours["step_s"] == {"median": 1.1, "min": 1.0, "max": 1.2, "n": 2}
+    assert ours["load_s"]["median"] == 3.0 and ours["load_peak_mib"]["median"] == 120.0
+    assert ours["resume_s"]["median"] == 0.75
+    assert ours["tokens_per_s"]["max"] == 128.0
+    targets = {row["target"]: row for row in summary["targets"]}
+    assert targets["peak load RAM, worst rank ≤ 0.6× model"]["measured"] == pytest.approx(0.6)
+    assert targets["peak load RAM, worst rank ≤ 0.6× model"]["met"] is True
+    assert targets["training step time ≤ 1.0× accelerate_fsdp2"]["met"] is False  # 1.1 s against 1.0 s
+    assert targets["checkpoint bytes ≤ accelerate_fsdp2's"]["measured"] == pytest.approx(0.75)
+    assert targets["blocked save time with async_save ≤ 0.3× sync"]["measured"] == pytest.approx(0.25)
+    assert targets["consolidation peak RAM ≤ 0.3× model"]["measured"] == pytest.approx(0.25)
+    assert targets["consolidation time ≤ accelerate merge-weights"]["measured"] == pytest.approx(0.5)
+    markdown = render_markdown(summary)
+    assert "| training step (steady state) (s) | 1.10 (1.00–1.20) **1.10×** |" in markdown
+    assert "| training step time ≤ 1.0× accelerate_fsdp2 | 1.10× | **no** |" in markdown
