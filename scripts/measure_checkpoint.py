@@ -20,6 +20,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchmark_worker import consolidate_worker as timed_consolidation, folder_bytes  # noqa: E402
 from measure_load_memory import MIB, build_model, vm_kib  # noqa: E402
 
 
@@ -70,25 +71,9 @@ def train_worker(args: argparse.Namespace) -> None:
 
 
 def consolidate_worker(args: argparse.Namespace) -> None:
-    """Run one consolidation tool in this fresh process and report its peak memory above imports."""
-    if args.tool == "hf_fsdp2":
-        from hf_fsdp2 import consolidate as run
-    else:
-        from accelerate.utils import merge_fsdp_weights
-
-        def run(checkpoint: str, output: str) -> None:
-            merge_fsdp_weights(os.path.join(checkpoint, "pytorch_model_fsdp_0"), output)
-
-    baseline = vm_kib("VmHWM")
-    start = time.perf_counter()
-    run(args.checkpoint, args.output)
-    seconds = time.perf_counter() - start
-    with open(args.result, "w") as f:
-        json.dump({"peak_mib": (vm_kib("VmHWM") - baseline) / 1024, "seconds": seconds}, f)
-
-
-def folder_bytes(path: str) -> int:
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+    """Run one consolidation tool in a fresh process (the benchmark's worker: time and peak above imports)."""
+    system = {"hf_fsdp2": "hf_fsdp2", "accelerate": "accelerate_fsdp2"}[args.tool]
+    timed_consolidation(argparse.Namespace(**{**vars(args), "system": system}))
 
 
 def run_json(command: list[str], result: str) -> dict:
