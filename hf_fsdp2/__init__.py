@@ -8,7 +8,11 @@ from .model import prepare_model
 from .skeleton import from_pretrained
 from .callbacks import ConsolidateCallback
 from .consolidate import consolidate
+from .distributed import close_distributed
 from .trainer import FSDP2Trainer
 
-__all__ = ["ConsolidateCallback", "FSDP2Config", "FSDP2Trainer", "consolidate", "from_pretrained", "prepare_model"]
+__all__ = [
+    "ConsolidateCallback", "FSDP2Config", "FSDP2Trainer", "close_distributed", "consolidate", "from_pretrained",
+    "prepare_model",
+]
 __version__ = "0.1.0"

@@ -39,6 +39,20 @@ def init_distributed() -> None:
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
+def close_distributed() -> None:
+    """End the process group on every rank once the job has succeeded; a no-op without one.
+
+    NOTE: a gloo group left alive at interpreter exit can abort the process (SIGABRT, "terminate called
+    without an active exception") after a successful run, and NCCL warns. The barrier keeps a rank from
+    tearing down while another still talks. Call it on success only: after a failure another rank may be
+    stuck in a collective, and the barrier would hang instead of letting torchrun stop the job.
+    """
+    if not dist.is_initialized():
+        return
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def build_mesh(replicate_size: int = 1) -> DeviceMesh:
     """Build the 1-D shard mesh, or the 2-D (replicate, shard) mesh for HSDP."""
     world = dist.get_world_size()

@@ -80,3 +80,9 @@ def test_a_trainer_that_sees_one_process_under_torchrun_is_refused(tmp_path, tin
     proc = run("train_worker.py", 2, "--model", tiny("llama"), "--out", str(tmp_path), "--no-use-cpu", expect_ok=False)
     assert proc.returncode != 0
     assert "sees world_size=1, so every rank would train on the same batches" in proc.stderr
+
+
+def test_close_distributed_ends_the_group_on_every_rank():
+    proc = run("close_worker.py", 2)
+    for rank in (0, 1):
+        assert f"rank {rank}: sum 3, open after close False" in proc.stdout

@@ -10,11 +10,10 @@ import json
 import os
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, TrainingArguments, set_seed
 
-from hf_fsdp2 import FSDP2Config, FSDP2Trainer, from_pretrained
+from hf_fsdp2 import FSDP2Config, FSDP2Trainer, close_distributed, from_pretrained
 
 LORA_KWARGS = dict(r=4, target_modules=["q_proj", "v_proj"])
 CLASSES = {"causal": AutoModelForCausalLM, "classify": AutoModelForSequenceClassification}
@@ -80,8 +79,7 @@ def main() -> None:
         torch.save({**state, **buffers}, os.path.join(args.out, "state.pt"))
         with open(os.path.join(args.out, "info.json"), "w") as f:
             json.dump(info, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    close_distributed()
 
 
 if __name__ == "__main__":

@@ -11,13 +11,12 @@ import json
 import os
 
 import torch
-import torch.distributed as dist
 from datasets import Dataset
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, TrainingArguments, set_seed
 
-from hf_fsdp2 import FSDP2Config, FSDP2Trainer, from_pretrained
+from hf_fsdp2 import FSDP2Config, FSDP2Trainer, close_distributed, from_pretrained
 from tests.tiny_models import tiny_tokenizer
 
 SEQ = 16
@@ -236,9 +235,7 @@ def main() -> None:
         torch.save({k: v.float() for k, v in weights.items()}, os.path.join(args.out, "weights.pt"))
         with open(os.path.join(args.out, "result.json"), "w") as f:
             json.dump(result, f)
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    close_distributed()
 
 
 if __name__ == "__main__":
