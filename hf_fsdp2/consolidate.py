@@ -9,7 +9,7 @@ import copy
 import json
 import os
 import shutil
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -74,11 +74,15 @@ def consolidate(
     specs = [TensorSpec(k, tuple(md.size), _export_dtype(md.properties.dtype, target)) for k, md in stored.items()]
     staging = prepare_output(output_dir, overwrite)
     reader = SafeFileSystemReader(directory, cache_metadata=True)
+    batches = read_batches(specs, max(spec.nbytes for spec in specs))
+    loaded: dict[str, torch.Tensor] = {}
 
     def fetch(spec: TensorSpec) -> torch.Tensor:
-        tensor = torch.empty(spec.shape, dtype=stored[spec.name].properties.dtype)
-        load_in_place({MODEL_KEY: {spec.name: tensor}}, directory, reader)
-        return tensor
+        if spec.name not in loaded:
+            batch = {s.name: torch.empty(s.shape, dtype=stored[s.name].properties.dtype) for s in next(batches)}
+            load_in_place({MODEL_KEY: batch}, directory, reader)
+            loaded.update(batch)
+        return loaded.pop(spec.name)
 
     try:
         write_weights(staging, specs, fetch, max_shard_size)
@@ -88,6 +92,25 @@ def consolidate(
         raise
     publish(staging, output_dir)
     return output_dir
+
+
+def read_batches(specs: list[TensorSpec], budget: int) -> Iterator[list[TensorSpec]]:
+    """Consecutive tensors, in write order, grouped up to `budget` bytes of storage per DCP read.
+
+    NOTE: one DCP request per tensor spent ~2 ms each on planning; with the budget set to the largest
+    tensor, a whole decoder layer comes in one request while the peak stays what reading that tensor
+    alone already costs.
+    """
+    batch: list[TensorSpec] = []
+    size = 0
+    for spec in specs:
+        if batch and size + spec.nbytes > budget:
+            yield batch
+            batch, size = [], 0
+        batch.append(spec)
+        size += spec.nbytes
+    if batch:
+        yield batch
 
 
 def _model_files_dir(checkpoint_dir: str, directory: str) -> str:

@@ -120,6 +120,9 @@ def run_consolidation(args: argparse.Namespace, system: str, checkpoint: str, ta
     """One fresh process running the system's own consolidation tool on its last checkpoint."""
     output = os.path.join(args.workdir, f"consolidated-{system}")
     shutil.rmtree(output, ignore_errors=True)
+    # Flush earlier runs' dirty pages first: a tool that skips fsync would otherwise leave its disk writes
+    # to be paid for by whichever tool runs next.
+    os.sync()
     result = os.path.join(args.workdir, f"consolidate-{system}-{tag}.json")
     command = [sys.executable, os.path.abspath(__file__), "--worker", "consolidate", "--system", system,
                "--checkpoint", checkpoint, "--output", output, "--result", result]

@@ -172,3 +172,29 @@ def test_tokenizer_files_travel_with_checkpoints_and_exports(tmp_path, tiny):
     consolidate(str(checkpoint), str(tmp_path / "hf"))
     tokenizer = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
     assert tokenizer("t5 t9").input_ids == [5, 9]
+
+
+def test_reads_are_batched_in_order_within_the_budget():
+    from hf_fsdp2.consolidate import read_batches
+    from hf_fsdp2.hf_export import TensorSpec
+
+    specs = [TensorSpec(name, (n,), torch.float32) for name, n in [("a", 4), ("b", 4), ("c", 10), ("d", 2), ("e", 1)]]
+    batches = [[s.name for s in batch] for batch in read_batches(specs, budget=40)]
+    assert batches == [["a", "b"], ["c"], ["d", "e"]]  # 32 B, then c alone (40 B), then 12 B
+    assert [s.name for batch in read_batches(specs, budget=1) for s in batch] == list("abcde")
+
+
+def test_streamed_file_synced_in_the_background_holds_every_tensor(tmp_path, monkeypatch):
+    """Background fdatasyncs between tensors must not reorder or drop bytes."""
+    from hf_fsdp2.hf_export import SafetensorsStream, TensorSpec
+
+    monkeypatch.setattr(SafetensorsStream, "SYNC_EVERY", 64)  # a sync after every other tensor or so
+    tensors = {f"t{i}": torch.randn(5 + i, 3) for i in range(12)}
+    tensors["bf16"] = torch.randn(7).to(torch.bfloat16)
+    stream = SafetensorsStream(str(tmp_path / "x.safetensors"), [TensorSpec(k, tuple(v.shape), v.dtype) for k, v in tensors.items()])
+    for tensor in tensors.values():
+        stream.write(tensor)
+    stream.close()
+    loaded = load_file(str(tmp_path / "x.safetensors"))
+    assert loaded.keys() == tensors.keys()
+    assert all(torch.equal(loaded[k], v) for k, v in tensors.items())
