@@ -22,7 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
         "consolidate",
         help="turn a sharded checkpoint into a from_pretrained-ready Hugging Face folder",
         description="Stream a sharded checkpoint (FSDP2Trainer's, or Trainer + Accelerate's SHARDED_STATE_DICT) "
-        "into model.safetensors (or shards + index), config and tokenizer files. Memory: one tensor at a time.",
+        "into model.safetensors (or shards + index), config and tokenizer files. Memory: about twice the largest tensor, never the model.",
     )
     consolidate.add_argument("checkpoint_dir", help="a checkpoint-N folder or its pytorch_model_fsdp_0 folder")
     consolidate.add_argument("output_dir", help="where to write the Hugging Face folder")

@@ -1,6 +1,7 @@
 """Hugging Face folders that `from_pretrained` loads, written tensor by tensor: offline from a sharded
 checkpoint (`consolidate`, the CLI) or from the live sharded model (`save_pretrained_sharded`, used by
-`FSDP2Trainer.save_model` and the end-of-training callback). Peak memory is one full tensor, not the model.
+`FSDP2Trainer.save_model` and the end-of-training callback). Peak memory is about twice the largest
+tensor (offline: reads of up to that many bytes, a layer or so; live: one gathered tensor), not the model.
 """
 
 from __future__ import annotations
