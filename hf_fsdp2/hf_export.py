@@ -124,7 +124,7 @@ class SafetensorsStream:
         # The buffer itself, not .tobytes(): a copy would double the peak and cost a memcpy per tensor.
         self.file.write(memoryview(data.view(torch.uint8).numpy()))
         self.next += 1
-        self.unsynced += data.numel()
+        self.unsynced += data.numel() * data.element_size()
         if self.unsynced >= self.SYNC_EVERY and (self.pending is None or self.pending.done()):
             self._wait_for_sync()  # surfaces an error of the previous sync
             self.file.flush()
@@ -132,6 +132,7 @@ class SafetensorsStream:
             self.unsynced = 0
 
     def _wait_for_sync(self) -> None:
+        """Wait for the background sync in flight, re-raising its error (a full disk must not pass silently)."""
         if self.pending is not None:
             self.pending.result()
             self.pending = None

@@ -188,7 +188,10 @@ def test_streamed_file_synced_in_the_background_holds_every_tensor(tmp_path, mon
     """Background fdatasyncs between tensors must not reorder or drop bytes."""
     from hf_fsdp2.hf_export import SafetensorsStream, TensorSpec
 
-    monkeypatch.setattr(SafetensorsStream, "SYNC_EVERY", 64)  # a sync after every other tensor or so
+    monkeypatch.setattr(SafetensorsStream, "SYNC_EVERY", 64)  # bytes: a sync after about every tensor
+    synced = []
+    real_fdatasync = os.fdatasync
+    monkeypatch.setattr(os, "fdatasync", lambda fd: synced.append(fd) or real_fdatasync(fd))
     tensors = {f"t{i}": torch.randn(5 + i, 3) for i in range(12)}
     tensors["bf16"] = torch.randn(7).to(torch.bfloat16)
     stream = SafetensorsStream(str(tmp_path / "x.safetensors"), [TensorSpec(k, tuple(v.shape), v.dtype) for k, v in tensors.items()])
@@ -198,3 +201,4 @@ def test_streamed_file_synced_in_the_background_holds_every_tensor(tmp_path, mon
     loaded = load_file(str(tmp_path / "x.safetensors"))
     assert loaded.keys() == tensors.keys()
     assert all(torch.equal(loaded[k], v) for k, v in tensors.items())
+    assert synced  # a sync ran while tensors were still being written (close uses fsync)
