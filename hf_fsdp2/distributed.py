@@ -6,11 +6,18 @@ process it becomes a world of one, so the same code runs on a laptop. It knows n
 
 from __future__ import annotations
 
+import gc
 import os
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+# NOTE: imported before any process group exists on purpose. On its first import this torch module binds
+# the then-current default group as the default argument of its collectives, and DDP and DTensor import it
+# lazily, after the group is up: that hidden reference keeps a destroyed group (and, with gloo, its
+# threads and sockets) alive until the interpreter exits.
+import torch.distributed.nn.functional  # noqa: F401
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from transformers.utils import logging
 
@@ -40,17 +47,29 @@ def init_distributed() -> None:
 
 
 def close_distributed() -> None:
-    """End the process group on every rank once the job has succeeded; a no-op without one.
+    """End the process group on every rank once the job has succeeded, and free it; a no-op without one.
 
-    NOTE: a gloo group left alive at interpreter exit can abort the process (SIGABRT, "terminate called
-    without an active exception") after a successful run, and NCCL warns. The barrier keeps a rank from
-    tearing down while another still talks. Call it on success only: after a failure another rank may be
-    stuck in a collective, and the barrier would hang instead of letting torchrun stop the job.
+    NOTE: a gloo group still alive at interpreter exit can abort a successful run (SIGABRT, "terminate
+    called without an active exception"), and NCCL warns. `destroy_process_group` alone does not free the
+    group: DTensor's caches keep device meshes alive, and a mesh holds its groups, so the group's threads
+    and sockets outlive it. The barrier keeps a rank from tearing down while another still talks. Call it on
+    success only: after a failure another rank may be stuck in a collective, and the barrier would hang
+    instead of letting torchrun stop the job.
     """
     if not dist.is_initialized():
         return
     dist.barrier()
     dist.destroy_process_group()
+    _release_mesh_groups()
+
+
+def _release_mesh_groups() -> None:
+    """Drop the destroyed groups that live device meshes still hold, so the groups are really freed."""
+    gc.collect()
+    for obj in gc.get_objects():
+        if isinstance(obj, DeviceMesh):
+            getattr(obj, "_pg_registry", {}).clear()  # private in torch 2.13; absent elsewhere is harmless
+    gc.collect()
 
 
 def build_mesh(replicate_size: int = 1) -> DeviceMesh:

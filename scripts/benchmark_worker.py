@@ -102,6 +102,7 @@ def train_worker(args: argparse.Namespace) -> None:
     from torch.distributed.tensor import DTensor
 
     from benchmark_systems import FORCED, build_trainer, random_tokens
+    from hf_fsdp2 import close_distributed
 
     baseline = vm_kib("VmHWM")  # after the imports every system shares (torch, transformers, accelerate)
 
@@ -137,8 +138,7 @@ def train_worker(args: argparse.Namespace) -> None:
         summary = {"ranks": rows, "checkpoint": checkpoint, "checkpoint_bytes": folder_bytes(checkpoint)}
         with open(args.result, "w") as f:
             json.dump(summary, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    close_distributed()
 
 
 def consolidate_worker(args: argparse.Namespace) -> None:

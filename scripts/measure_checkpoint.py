@@ -32,7 +32,7 @@ def train_worker(args: argparse.Namespace) -> None:
     from datasets import Dataset
     from transformers import TrainingArguments
 
-    from hf_fsdp2 import FSDP2Config, FSDP2Trainer
+    from hf_fsdp2 import FSDP2Config, FSDP2Trainer, close_distributed
 
     ids = torch.randint(0, 16000, (64, 64), generator=torch.Generator().manual_seed(0)).tolist()
     data = Dataset.from_dict({"input_ids": ids, "labels": ids})
@@ -67,7 +67,7 @@ def train_worker(args: argparse.Namespace) -> None:
     if dist.get_rank() == 0:
         with open(args.result, "w") as f:
             json.dump({"blocked_s": blocked, "train_s": total, "peak_mib_per_rank": peaks}, f)
-    dist.destroy_process_group()
+    close_distributed()
 
 
 def consolidate_worker(args: argparse.Namespace) -> None:

@@ -57,7 +57,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM, TrainingArguments
 
-    from hf_fsdp2 import FSDP2Trainer, from_pretrained
+    from hf_fsdp2 import FSDP2Trainer, close_distributed, from_pretrained
 
     baseline = vm_kib("VmHWM")
     start = time.perf_counter()
@@ -81,7 +81,7 @@ def worker(args: argparse.Namespace) -> None:
         with open(args.result, "w") as f:
             json.dump(rows, f)
     del trainer
-    dist.destroy_process_group()
+    close_distributed()
 
 
 def dist_rank() -> int:

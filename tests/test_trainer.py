@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from transformers import TrainingArguments
 
@@ -82,7 +84,9 @@ def test_a_trainer_that_sees_one_process_under_torchrun_is_refused(tmp_path, tin
     assert "sees world_size=1, so every rank would train on the same batches" in proc.stderr
 
 
-def test_close_distributed_ends_the_group_on_every_rank():
+def test_close_distributed_ends_the_group_and_its_threads_on_every_rank():
     proc = run("close_worker.py", 2)
     for rank in (0, 1):
-        assert f"rank {rank}: sum 3, open after close False" in proc.stdout
+        assert f"rank {rank}: sum 3, open after close False, gloo threads " in proc.stdout
+        # destroy_process_group alone left all of them running (DTensor's caches and DDP kept the group)
+        assert re.search(rf"rank {rank}: .*gloo threads [1-9]\d* before close, 0 after", proc.stdout), proc.stdout
