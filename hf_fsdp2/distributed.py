@@ -66,7 +66,9 @@ def close_distributed() -> None:
 def _release_mesh_groups() -> None:
     """Drop the destroyed groups that live device meshes still hold, so the groups are really freed."""
     for obj in gc.get_objects():
-        if isinstance(obj, DeviceMesh):
+        # NOTE: type(), not isinstance: isinstance on a weak proxy whose target is gone (torch.compile
+        # leaves them behind) raises ReferenceError, and that would fail a run that succeeded.
+        if issubclass(type(obj), DeviceMesh):
             getattr(obj, "_pg_registry", {}).clear()  # private in torch 2.13; absent elsewhere is harmless
     gc.collect()  # frees the groups that only reference cycles still reached
 

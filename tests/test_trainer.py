@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import re
+import weakref
 
 import pytest
 from transformers import TrainingArguments
 
 from hf_fsdp2 import FSDP2Config
+from hf_fsdp2.distributed import _release_mesh_groups
 from hf_fsdp2.trainer import _loss_uses_num_items, _validate_args, repoint_optimizer
 from tests.launch import load_result, run
 
@@ -90,3 +92,16 @@ def test_close_distributed_ends_the_group_and_its_threads_on_every_rank():
         assert f"rank {rank}: sum 3, open after close False, gloo threads " in proc.stdout
         # destroy_process_group alone left all of them running (DTensor's caches and DDP kept the group)
         assert re.search(rf"rank {rank}: .*gloo threads [1-9]\d* before close, 0 after", proc.stdout), proc.stdout
+
+
+def test_mesh_release_survives_weak_proxies_to_dead_objects():
+    # torch.compile leaves weak proxies behind; isinstance on a dead one raises ReferenceError
+    class Target:
+        pass
+
+    target = Target()
+    proxy = weakref.proxy(target)
+    del target
+    _release_mesh_groups()
+    with pytest.raises(ReferenceError):
+        proxy.anything  # the proxy really is dead, so the release above walked past it
