@@ -9,10 +9,10 @@ from .skeleton import from_pretrained
 from .callbacks import ConsolidateCallback
 from .consolidate import consolidate
 from .distributed import close_distributed
-from .trainer import FSDP2Trainer
+from .trainer import FSDP2Mixin, FSDP2Trainer
 
 __all__ = [
-    "ConsolidateCallback", "FSDP2Config", "FSDP2Trainer", "close_distributed", "consolidate", "from_pretrained",
+    "ConsolidateCallback", "FSDP2Config", "FSDP2Mixin", "FSDP2Trainer", "close_distributed", "consolidate", "from_pretrained",
     "prepare_model",
 ]
 __version__ = "0.1.0"

@@ -6,9 +6,12 @@ process it becomes a world of one, so the same code runs on a laptop. It knows n
 
 from __future__ import annotations
 
+import atexit
 import gc
 import os
-from typing import Any
+import sys
+from datetime import timedelta
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -32,7 +35,11 @@ def get_device() -> torch.device:
 
 
 def init_distributed() -> None:
-    """Join torchrun's process group, or start a world of one; reuse a group that already exists."""
+    """Join torchrun's process group, or start a world of one; reuse a group that already exists.
+
+    A group started here is also ended here when the interpreter exits normally (see `_close_at_exit`), so
+    an unchanged Trainer script needs no extra line.
+    """
     if dist.is_initialized():
         return
     device = get_device()
@@ -44,21 +51,42 @@ def init_distributed() -> None:
     else:
         # NOTE: a world of one needs no rendezvous; a HashStore keeps it free of ports and files.
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
+    atexit.register(_close_at_exit)
 
 
-def close_distributed() -> None:
+# How long a rank that exits normally waits at exit for the others before it leaves without the barrier.
+EXIT_BARRIER_TIMEOUT = timedelta(minutes=5)
+
+
+def _close_at_exit() -> None:
+    """End the group at a normal interpreter exit; after an uncaught exception leave it to torchrun.
+
+    NOTE: Python sets `sys.last_value` (`sys.last_exc` from 3.12) when an uncaught exception ends the
+    program, before atexit handlers run. A failing rank must not wait in a barrier that the other ranks,
+    stuck in a collective, will never reach.
+    """
+    if not dist.is_initialized() or getattr(sys, "last_exc", None) or getattr(sys, "last_value", None):
+        return
+    close_distributed(timeout=EXIT_BARRIER_TIMEOUT)
+
+
+def close_distributed(timeout: Optional[timedelta] = None) -> None:
     """End the process group on every rank once the job has succeeded, and free it; a no-op without one.
 
     NOTE: a gloo group still alive at interpreter exit can abort a successful run (SIGABRT, "terminate
     called without an active exception"), and NCCL warns. `destroy_process_group` alone does not free the
     group: DTensor's caches keep device meshes alive, and a mesh holds its groups, so the group's threads
-    and sockets outlive it. The barrier keeps a rank from tearing down while another still talks. Call it on
-    success only: after a failure another rank may be stuck in a collective, and the barrier would hang
-    instead of letting torchrun stop the job.
+    and sockets outlive it. The barrier keeps a rank from tearing down while another still talks; with a
+    `timeout`, a rank whose peers do not arrive in time leaves the group as it is instead of hanging. Called
+    by itself at a normal exit for a group `init_distributed` started; call it yourself to end it earlier.
     """
     if not dist.is_initialized():
         return
-    dist.barrier()
+    try:
+        dist.barrier(async_op=True).wait(timeout=timeout) if timeout is not None else dist.barrier()
+    except RuntimeError as error:
+        logger.warning("Leaving the process group without ending it: the other ranks did not arrive (%s).", error)
+        return
     dist.destroy_process_group()
     _release_mesh_groups()
 

@@ -7,28 +7,60 @@ gradient helpers a sharded model needs; it knows nothing about the Trainer.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 from .config import FSDP2Config
 from .distributed import build_mesh, check_same_on_all_ranks, get_device, init_distributed, log_rank0
 from .loading import load_sharded
-from .sharding import mixed_precision_policy, select_units, shard_model, upcast_trainable
+from .sharding import (
+    mixed_precision_policy,
+    reduce_scalar_gradients,
+    reshard_all,
+    select_units,
+    shard_model,
+    upcast_trainable,
+)
+
+
+SHARDING_ATTR = "_hf_fsdp2_sharding"
+# The FSDP2Config fields that decide how a model is sharded; the others (saving, export) may differ between
+# trainers that share one sharded model.
+_SHARDING_FIELDS = (
+    "auto_wrap_policy",
+    "transformer_layer_cls_to_wrap",
+    "min_num_params",
+    "reshard_after_forward",
+    "cpu_offload",
+    "fsdp_activation_checkpointing",
+    "compile",
+    "hsdp_replicate_size",
+)
 
 
 def prepare_model(model: nn.Module, config: FSDP2Config, bf16: bool = False, fp16: bool = False) -> nn.Module:
-    """Shard `model` (a meta skeleton or an object with weights) and load every rank's part of its weights."""
+    """Shard `model` (a meta skeleton or an object with weights) and load every rank's part of its weights.
+
+    A model this function already sharded (a second trainer on the same model) is returned as it is when
+    it was sharded the same way; otherwise ValueError names what differs.
+    """
     init_distributed()
     check_same_on_all_ranks("FSDP2Config", config.to_summary())
+    policy = mixed_precision_policy(config, bf16=bf16, fp16=fp16)
+    wanted = sharding_summary(config, policy)
+    if isinstance(model, FSDPModule):
+        return _reuse_sharded(model, wanted)
     if config.cpu_offload and get_device().type == "cpu":
         raise ValueError(
             "cpu_offload=True moves shards from an accelerator to host memory, but this machine has no "
             "accelerator (parameters already live in host memory); remove cpu_offload."
         )
     mesh = build_mesh(config.hsdp_replicate_size)
-    policy = mixed_precision_policy(config, bf16=bf16, fp16=fp16)
     units = select_units(model, config)
 
     def shard(skeleton: nn.Module) -> None:
@@ -36,6 +68,8 @@ def prepare_model(model: nn.Module, config: FSDP2Config, bf16: bool = False, fp1
         shard_model(skeleton, mesh, config, policy, units)
 
     model = load_sharded(model, shard, offload=config.cpu_offload)
+    reduce_scalar_gradients(model)
+    setattr(model, SHARDING_ATTR, wanted)
     log_rank0(
         "Sharded %s into %d units + root over mesh %s (%s parameters).",
         type(model).__name__,
@@ -46,16 +80,51 @@ def prepare_model(model: nn.Module, config: FSDP2Config, bf16: bool = False, fp1
     return model
 
 
+def sharding_summary(config: FSDP2Config, policy: MixedPrecisionPolicy) -> dict[str, Any]:
+    """What decides a model's sharding: the config's sharding fields, precision and the world size."""
+    summary = {name: value for name, value in config.to_summary().items() if name in _SHARDING_FIELDS}
+    summary["param_dtype"] = str(policy.param_dtype)
+    summary["reduce_dtype"] = str(policy.reduce_dtype)
+    summary["world_size"] = dist.get_world_size()
+    return summary
+
+
+def _reuse_sharded(model: nn.Module, wanted: dict[str, Any]) -> nn.Module:
+    """Hand back a model sharded earlier (a second trainer, model reuse), or name how it was sharded otherwise."""
+    had = getattr(model, SHARDING_ATTR, None)
+    if had is None:
+        raise ValueError(
+            f"{type(model).__name__} was already sharded with fully_shard outside hf_fsdp2, so its precision, units "
+            "and mesh are unknown here. Pass the unsharded model (FSDP2Trainer shards it itself)."
+        )
+    conflicts = [f"{name}: {had.get(name)!r} then, {value!r} now" for name, value in wanted.items() if had.get(name) != value]
+    if conflicts:
+        raise ValueError(
+            f"this {type(model).__name__} was already sharded by an earlier FSDP2Trainer with other settings ("
+            + "; ".join(conflicts)
+            + "). Use the same FSDP2Config, bf16 setting and world size, or build a fresh model for the new trainer."
+        )
+    reshard_all(model)
+    log_rank0("%s is already sharded the same way; reusing it as it is.", type(model).__name__)
+    return model
+
+
 @torch.no_grad()
 def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float) -> torch.Tensor:
     """Return the global gradient norm over all ranks and clip to `max_norm` (inf: only measure)."""
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return torch.tensor(0.0)
-    total = torch.nn.utils.get_total_norm(grads)
-    if isinstance(total, DTensor):
+    sharded = [g for g in grads if isinstance(g, DTensor)]
+    # Gradients of parameters FSDP leaves whole (0-dim ones) are already averaged and equal on every rank.
+    whole = [g for g in grads if not isinstance(g, DTensor)]
+    norms = []
+    if sharded:
         # NOTE: the norm of sharded gradients is a partial sum until reduced across the mesh.
-        total = total.full_tensor()
+        norms.append(torch.nn.utils.get_total_norm(sharded).full_tensor())
+    if whole:
+        norms.append(torch.nn.utils.get_total_norm(whole))
+    total = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
     if math.isfinite(max_norm):
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for grad in grads:

@@ -6,9 +6,10 @@ It works on meta or real tensors alike and never reads weights or touches the Tr
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
@@ -19,13 +20,13 @@ from torch.distributed.fsdp import (
     register_fsdp_forward_method,
 )
 
-from .config import FSDP2Config, resolve_dtype
-from .distributed import warn_rank0
+from .config import WRAP_POLICIES, FSDP2Config, resolve_dtype
+from .distributed import log_rank0, warn_rank0
 from .skeleton import set_tensor, tie_groups
 
 
 def block_classes(model: nn.Module, config: FSDP2Config) -> list[str]:
-    """Return the block class names to wrap: the config's, else the model's `_no_split_modules`."""
+    """Return the block class names to wrap: the config's, else the model's `_no_split_modules` (maybe none)."""
     if config.transformer_layer_cls_to_wrap:
         return list(config.transformer_layer_cls_to_wrap)
     names: list[str] = []
@@ -33,12 +34,6 @@ def block_classes(model: nn.Module, config: FSDP2Config) -> list[str]:
         for name in getattr(module, "_no_split_modules", None) or []:
             if name not in names:
                 names.append(name)
-    if not names:
-        raise ValueError(
-            f"{type(model).__name__} declares no `_no_split_modules`, so transformer_based_wrap does not know its "
-            "blocks. Set FSDP2Config(transformer_layer_cls_to_wrap=[...]) to the block class names, or use "
-            "auto_wrap_policy='size_based_wrap'."
-        )
     return names
 
 
@@ -85,21 +80,42 @@ def select_units(model: nn.Module, config: FSDP2Config) -> list[nn.Module]:
             case "size_based_wrap":
                 return _size_based_units(model, config.min_num_params, groups)
             case "transformer_based_wrap":
-                wanted = block_classes(model, config)
-                units = [m for m in _post_order(model) if type(m).__name__ in wanted and m is not model]
-                if not units:
-                    present = sorted({type(m).__name__ for m in model.modules()})
-                    raise ValueError(
-                        f"no module matched transformer_layer_cls_to_wrap={wanted}; classes in this model: {present}"
-                    )
+                units = _block_units(model, config, groups)
             case _:
-                raise ValueError(f"auto_wrap_policy={policy!r}; choose transformer_based_wrap, size_based_wrap or no_wrap")
+                raise ValueError(f"auto_wrap_policy={policy!r}; choose one of {list(WRAP_POLICIES)} or a callable")
     for unit in units:
         if _splits_a_tie(unit, groups):
             raise ValueError(
                 f"wrapping {type(unit).__name__} would split tied weights across FSDP units; tied embedding and "
                 "head must share a unit. Exclude it from the wrap policy."
             )
+    return units
+
+
+def _block_units(model: nn.Module, config: FSDP2Config, groups: list[set[int]]) -> list[nn.Module]:
+    """The blocks `transformer_based_wrap` names; without declared blocks, size-based units (maybe none).
+
+    Only an explicit `transformer_layer_cls_to_wrap` that matches nothing is an error: a model that declares
+    no blocks (a plain nn.Module, a custom PreTrainedModel) trains with plain Trainer, so it must train here.
+    """
+    wanted = block_classes(model, config)
+    units = [m for m in _post_order(model) if type(m).__name__ in wanted and m is not model]
+    if units:
+        return units
+    present = sorted({type(m).__name__ for m in model.modules()})
+    if config.transformer_layer_cls_to_wrap:
+        raise ValueError(f"no module matched transformer_layer_cls_to_wrap={wanted}; classes in this model: {present}")
+    units = _size_based_units(model, config.min_num_params, groups)
+    why = f"declares blocks {wanted} that it does not contain" if wanted else "declares no `_no_split_modules`"
+    chosen = f"{len(units)} size-based units" if units else "one unit, the whole model"
+    log_rank0(
+        "%s %s, so FSDP2 units are chosen by size (min_num_params=%s): %s. Name the block classes with "
+        "FSDP2Config(transformer_layer_cls_to_wrap=[...]) to shard block by block.",
+        type(model).__name__,
+        why,
+        f"{config.min_num_params:,}",
+        chosen,
+    )
     return units
 
 
@@ -158,6 +174,15 @@ def _check_reshard(value: bool | int, mesh: DeviceMesh) -> None:
         )
 
 
+def scalar_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """0-dim parameters (CLIP's `logit_scale`, scale heads): `fully_shard` cannot split them.
+
+    They stay whole on every rank, outside FSDP (`ignored_params`), and `reduce_scalar_gradients`
+    averages their gradients the way FSDP averages everyone else's.
+    """
+    return [p for p in model.parameters() if p.ndim == 0]
+
+
 def shard_model(
     model: nn.Module,
     mesh: DeviceMesh,
@@ -173,19 +198,43 @@ def shard_model(
     if config.compile:
         for unit in units or [model]:
             unit.compile()
-    kwargs = dict(mesh=mesh, reshard_after_forward=config.reshard_after_forward, mp_policy=policy)
+    kwargs: dict[str, Any] = dict(mesh=mesh, reshard_after_forward=config.reshard_after_forward, mp_policy=policy)
     if config.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
+    scalars = set(scalar_parameters(model))
+    if scalars:
+        kwargs["ignored_params"] = scalars
     for unit in units:
         fully_shard(unit, **kwargs)
     # The root's parameters (embedding, final norm, a tied head) are the last used in forward and the first
     # in backward: resharding them after forward only buys a second all-gather. None is torch's rule for the
     # root: keep them gathered until backward (measured: the 12-layer benchmark's steps were 1.2x slower).
-    fully_shard(model, **{**kwargs, "reshard_after_forward": None})
+    # A model with nothing to train (a DPO reference) never runs backward, so its root reshards at once.
+    trains = any(p.requires_grad for p in model.parameters())
+    fully_shard(model, **{**kwargs, "reshard_after_forward": None if trains else True})
     if hasattr(model, "generate"):
         # NOTE: generate() reads root params outside forward; this makes it gather them first.
         register_fsdp_forward_method(model, "generate")
     return model
+
+
+def reduce_scalar_gradients(model: nn.Module) -> None:
+    """Average each 0-dim parameter's gradient over all ranks as it is produced, as FSDP does for the rest.
+
+    NOTE: a collective inside backward; every rank's graph uses the same scalars in the same order.
+    """
+    world = dist.get_world_size()
+    if world == 1:
+        return
+
+    def average(grad: torch.Tensor) -> torch.Tensor:
+        total = grad.detach().clone()
+        dist.all_reduce(total)
+        return total.div_(world)
+
+    for param in scalar_parameters(model):
+        if param.requires_grad:
+            param.register_hook(average)
 
 
 def _checkpoint_units(model: nn.Module, units: list[nn.Module]) -> None:

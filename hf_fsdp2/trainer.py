@@ -31,11 +31,12 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from transformers import Trainer, TrainingArguments
 from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME, TRAINING_ARGS_NAME
 from transformers.trainer_callback import ExportableState
@@ -60,45 +61,94 @@ from .sharding import reshard_all
 from .skeleton import from_pretrained
 
 
-class FSDP2Trainer(Trainer):
-    """`Trainer` whose model is sharded with FSDP2 on construction: `Trainer(...)` → `FSDP2Trainer(...)`."""
+class FSDP2Mixin:
+    """Shards the model of any `Trainer` subclass with FSDP2: put it first, `class X(FSDP2Mixin, SFTTrainer)`.
+
+    The model is sharded when `Trainer.__init__` first sees it (`create_accelerator_and_postprocess`), so
+    whatever the subclass does to it before (TRL's `get_peft_model`, say) happens on the unsharded skeleton.
+    A path becomes a meta skeleton first, so no rank ever loads the whole model.
+    """
 
     def __init__(
         self,
         model: nn.Module | str | os.PathLike | None = None,
         args: Optional[TrainingArguments] = None,
-        *,
+        *trainer_args: Any,
         fsdp2_config: Optional[FSDP2Config] = None,
         **trainer_kwargs: Any,
     ) -> None:
-        args = args if args is not None else TrainingArguments(output_dir="tmp_trainer")
         self.fsdp2_config = fsdp2_config if fsdp2_config is not None else FSDP2Config()
-        _validate_args(model, args, self.fsdp2_config, trainer_kwargs)
+        _validate_args(model, self.fsdp2_config, trainer_kwargs)
         init_distributed()
-        _check_world_size(args)
-        # Same seed as a single-process from_pretrained, so new heads are initialized identically.
-        set_seed(args.seed)
+        if isinstance(model, (str, os.PathLike)):
+            model = self._skeleton(model, args)
+        self._original_names: dict[int, str] = {}
+        self._async_saver: Optional[AsyncSaver] = None
+        self._pending_save: Optional[tuple[list[Any], str, str, str]] = None
+        super().__init__(model, args, *trainer_args, **trainer_kwargs)
+        self.is_distributed_loading_by_transformers = True
+        if not _loss_uses_num_items(self.model):
+            self.model_accepts_loss_kwargs = False
+        if self.optimizer is not None:
+            repoint_optimizer(self.optimizer, self._original_names, self.model)
+        if self.fsdp2_config.consolidate_on_train_end and not any(
+            isinstance(c, ConsolidateCallback) for c in self.callback_handler.callbacks
+        ):
+            self.add_callback(_consolidate_callback(self.fsdp2_config))
+
+    @staticmethod
+    def _skeleton(path: str | os.PathLike, args: Optional[TrainingArguments]) -> nn.Module:
+        """The meta skeleton of a model path, built right after seeding as a single process would load it.
+
+        A TrainingArguments subclass that carries `model_init_kwargs` (TRL's configs) loads paths with them,
+        in float32 unless they say otherwise, as that trainer itself would have.
+        """
+        set_seed(args.seed if args is not None else _DEFAULT_SEED)
+        init_kwargs = getattr(args, "model_init_kwargs", _NO_INIT_KWARGS)
+        if init_kwargs is _NO_INIT_KWARGS:
+            return from_pretrained(path)
+        kwargs = {k: v for k, v in (init_kwargs or {}).items() if k not in _PLACEMENT_KWARGS}
+        kwargs.setdefault("dtype", "float32")
+        return from_pretrained(path, **kwargs)
+
+    def create_accelerator_and_postprocess(self) -> None:
+        """Shard the model when Trainer first sees it, then let Accelerate shard extra models too."""
+        _validate_training_args(self.args, self.fsdp2_config)
+        _check_world_size(self.args)
+        if self.model is not None:
+            # NOTE: in place; Trainer.__init__ goes on with its own reference to this same object.
+            self.model = self._shard(self.model)
+        super().create_accelerator_and_postprocess()
+        self.accelerator.prepare_model = _sharding_extra_models(self.accelerator.prepare_model, self)
+
+    def call_model_init(self, trial: Any = None) -> nn.Module:
+        """Shard each model `model_init` returns, as a model passed directly (Trainer seeds before the call)."""
+        model = super().call_model_init(trial)
         if isinstance(model, (str, os.PathLike)):
             model = from_pretrained(model)
-        self._peft = is_peft_model(model)
-        if self._peft:
+        return self._shard(model)
+
+    def _shard(self, model: nn.Module) -> nn.Module:
+        """Check, then shard `model` and load its weights; remember parameter names to re-point an optimizer."""
+        if is_peft_model(model):
             check_trainable_are_saved(model)
             if self.fsdp2_config.merge_adapters_on_save:
                 check_mergeable(model)
-        original_names = {id(p): name for name, p in model.named_parameters()}
-        model = prepare_model(model, self.fsdp2_config, bf16=args.bf16, fp16=args.fp16)
-        model._is_fsdp_managed_module = True
-        optimizer, _ = trainer_kwargs.get("optimizers", (None, None))
-        if optimizer is not None:
-            repoint_optimizer(optimizer, original_names, model)
-        callbacks = _with_consolidate_callback(trainer_kwargs.pop("callbacks", None), self.fsdp2_config)
-        super().__init__(model=model, args=args, callbacks=callbacks, **trainer_kwargs)
-        self.is_distributed_loading_by_transformers = True
-        if not _loss_uses_num_items(model):
-            self.model_accepts_loss_kwargs = False
-        self._async_saver: Optional[AsyncSaver] = None
-        self._pending_save: Optional[tuple[list[Any], str, str, str]] = None
-        self._base_model_bytes = _base_model_bytes(model)
+        elif self.fsdp2_config.merge_adapters_on_save:
+            raise ValueError(
+                "FSDP2Config(merge_adapters_on_save=True) needs a PEFT model (get_peft_model(model, LoraConfig(...)) "
+                "or a trainer's peft_config); this model has no adapters. Turn the option off."
+            )
+        self._original_names = {id(p): name for name, p in model.named_parameters()}
+        sharded = prepare_model(model, self.fsdp2_config, bf16=self.args.bf16, fp16=self.args.fp16)
+        if sharded is not model:
+            raise RuntimeError("prepare_model must shard in place: Trainer.__init__ keeps the object it was given.")
+        sharded._is_fsdp_managed_module = True
+        return sharded
+
+    @property
+    def _peft(self) -> bool:
+        return is_peft_model(self.model)
 
     def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
         """Leave placement to sharding."""
@@ -184,13 +234,13 @@ class FSDP2Trainer(Trainer):
             getattr(save, "upload_completion", save).result()
         commit_checkpoint(staging, final)
         if self._peft and is_rank0():
-            size = _folder_bytes(final)
+            size, base_bytes = _folder_bytes(final), _base_model_bytes(self.model)
             log_rank0(
                 "%s: %.2f MiB on disk (adapter + optimizer state), %.2f%% of the %.1f MiB base model.",
                 os.path.basename(final),
                 size / 2**20,
-                100 * size / max(self._base_model_bytes, 1),
-                self._base_model_bytes / 2**20,
+                100 * size / max(base_bytes, 1),
+                base_bytes / 2**20,
             )
         if self.state.best_global_step:
             best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
@@ -249,19 +299,37 @@ class FSDP2Trainer(Trainer):
         self._load_from_checkpoint(self.state.best_model_checkpoint)
 
 
-def _with_consolidate_callback(callbacks: Optional[list[Any]], config: FSDP2Config) -> list[Any]:
-    """Add the end-of-training export unless it is off or the user passed their own ConsolidateCallback."""
-    callbacks = list(callbacks or [])
-    user_has_one = any(isinstance(c, ConsolidateCallback) or c is ConsolidateCallback for c in callbacks)
-    if config.consolidate_on_train_end and not user_has_one:
-        callbacks.append(
-            ConsolidateCallback(
-                dtype=config.export_dtype,
-                max_shard_size=config.max_shard_size,
-                merge_adapters=config.merge_adapters_on_save,
-            )
-        )
-    return callbacks
+class FSDP2Trainer(FSDP2Mixin, Trainer):
+    """`Trainer` whose model is sharded with FSDP2 on construction: `Trainer(...)` → `FSDP2Trainer(...)`."""
+
+
+_DEFAULT_SEED: int = TrainingArguments.__dataclass_fields__["seed"].default
+_NO_INIT_KWARGS = object()
+# from_pretrained arguments about device placement: sharding places the model.
+_PLACEMENT_KWARGS = ("device_map",)
+
+
+def _sharding_extra_models(accelerate_prepare: Callable[..., nn.Module], trainer: FSDP2Mixin) -> Callable[..., nn.Module]:
+    """Wrap `Accelerator.prepare_model` so a subclass's extra model (DPO's reference) is sharded, not replicated.
+
+    Trainer itself prepares its own (already sharded) model through it; any other model prepared for
+    evaluation is frozen and sharded like the trained one (a frozen root reshards after every forward).
+    """
+
+    def prepare(model: nn.Module, device_placement: Optional[bool] = None, evaluation_mode: bool = False) -> nn.Module:
+        if evaluation_mode and model is not trainer.model and not isinstance(model, FSDPModule):
+            model.requires_grad_(False)
+            return prepare_model(model, trainer.fsdp2_config, bf16=trainer.args.bf16).eval()
+        return accelerate_prepare(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+
+    return prepare
+
+
+def _consolidate_callback(config: FSDP2Config) -> ConsolidateCallback:
+    """The end-of-training export the config asks for (added unless the user passed their own)."""
+    return ConsolidateCallback(
+        dtype=config.export_dtype, max_shard_size=config.max_shard_size, merge_adapters=config.merge_adapters_on_save
+    )
 
 
 def _unwrap_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -269,21 +337,20 @@ def _unwrap_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer
     return getattr(optimizer, "optimizer", optimizer)
 
 
-def _validate_args(model: Any, args: TrainingArguments, config: FSDP2Config, kwargs: dict[str, Any]) -> None:
-    """Reject combinations that would double-shard, double-checkpoint or silently diverge."""
-    if model is None:
-        raise ValueError("FSDP2Trainer needs `model`: a path to a Hugging Face model folder or an nn.Module.")
-    if kwargs.get("model_init") is not None:
-        raise ValueError("FSDP2Trainer does not support `model_init`; pass `model` (it is sharded once, up front).")
+def _validate_args(model: Any, config: FSDP2Config, kwargs: dict[str, Any]) -> None:
+    """Reject a trainer with nothing to train before any process group is started."""
+    if model is None and kwargs.get("model_init") is None:
+        raise ValueError(
+            "FSDP2Trainer needs `model` (a path to a Hugging Face model folder or an nn.Module) or `model_init`."
+        )
+
+
+def _validate_training_args(args: TrainingArguments, config: FSDP2Config) -> None:
+    """Reject TrainingArguments that would double-shard or checkpoint activations twice."""
     if args.fsdp:
         raise ValueError(
             f"TrainingArguments(fsdp={args.fsdp!r}) asks Accelerate to shard the model too; remove it — "
             "FSDP2Trainer shards the model itself (configure it with FSDP2Config)."
-        )
-    if config.merge_adapters_on_save and not is_peft_model(model):
-        raise ValueError(
-            "FSDP2Config(merge_adapters_on_save=True) needs a PEFT model (get_peft_model(model, LoraConfig(...))); "
-            "this model has no adapters. Turn the option off."
         )
     if args.deepspeed:
         raise ValueError("TrainingArguments(deepspeed=...) cannot be combined with FSDP2Trainer; remove it.")

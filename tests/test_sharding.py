@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from hf_fsdp2 import FSDP2Config
-from hf_fsdp2.sharding import mixed_precision_policy, select_units, upcast_trainable
+from hf_fsdp2.sharding import mixed_precision_policy, scalar_parameters, select_units, upcast_trainable
 from tests.tiny_models import gpt2, llama
 
 
@@ -59,10 +59,25 @@ def test_a_callable_that_splits_a_tie_is_refused():
         select_units(model, FSDP2Config(auto_wrap_policy=lambda m: isinstance(m, nn.Embedding)))
 
 
-def test_a_model_without_no_split_modules_needs_explicit_blocks():
-    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
-    with pytest.raises(ValueError, match="declares no `_no_split_modules`"):
-        select_units(model, FSDP2Config())
+def test_a_model_without_no_split_modules_gets_size_based_units_or_the_root_alone():
+    model = nn.Sequential(nn.Linear(40, 40), nn.Linear(40, 40), nn.Linear(2, 2))
+    units = select_units(model, FSDP2Config(min_num_params=1000))
+    assert units == [model[0], model[1]], "each 1640-parameter Linear is a unit, the tiny one stays with the root"
+    assert select_units(model, FSDP2Config()) == [], "below the default 100M threshold: the root alone"
+
+
+def test_declared_blocks_the_model_lacks_fall_back_to_size_but_explicit_ones_fail():
+    model = nn.Sequential(nn.Linear(4, 4))
+    model._no_split_modules = ["GoneBlock"]
+    assert select_units(model, FSDP2Config()) == []
+    with pytest.raises(ValueError, match=r"no module matched transformer_layer_cls_to_wrap=\['GoneBlock'\]"):
+        select_units(model, FSDP2Config(transformer_layer_cls_to_wrap=["GoneBlock"]))
+
+
+def test_scalar_parameters_are_found_for_fsdp_to_leave_whole():
+    model = nn.Sequential(nn.Linear(2, 2))
+    model.logit_scale = nn.Parameter(torch.tensor(2.6))
+    assert scalar_parameters(model) == [model.logit_scale]
 
 
 def test_upcast_makes_trainable_bf16_params_fp32_and_keeps_ties():

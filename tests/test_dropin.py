@@ -1,0 +1,95 @@
+"""Drop-in: ordinary Trainer scripts with `Trainer` swapped for `FSDP2Trainer` give the same numbers.
+
+One launch per setting runs every scenario of tests/workers/dropin_worker.py: plain `Trainer` as one
+process (the reference), `FSDP2Trainer` as one process and on 2 ranks. Each test then compares one
+scenario: losses, gathered weights, exported files, within 1e-5 (fp32). The worker never calls
+close_distributed(), like a user's script: the 2-rank launch must still exit 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import pytest
+
+from tests.launch import run
+
+TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def dropin(tmp_path_factory: pytest.TempPathFactory, tiny) -> dict[str, dict[str, Any]]:
+    """Results of every scenario: {"plain-1": ..., "fsdp2-1": ..., "fsdp2-2": ...}."""
+    out = tmp_path_factory.mktemp("dropin")
+    models = (tiny("llama"), tiny("gpt2"))
+    for mode, nproc in (("plain", 0), ("fsdp2", 0), ("fsdp2", 2)):
+        run("dropin_worker.py", nproc, mode, str(out), *models, timeout=900)
+    results = {}
+    for name in ("plain-1", "fsdp2-1", "fsdp2-2"):
+        with open(os.path.join(out, f"{name}.json")) as f:
+            results[name] = json.load(f)
+    return results
+
+
+def differences(expected: Any, actual: Any, path: str = "") -> list[str]:
+    """Every place where two results disagree (numbers beyond TOLERANCE, other values at all)."""
+    if isinstance(expected, dict):
+        if set(expected) != set(actual):
+            return [f"{path}: keys differ: {sorted(set(expected) ^ set(actual))[:5]}"]
+        return [d for key in expected for d in differences(expected[key], actual[key], f"{path}.{key}")]
+    if isinstance(expected, list):
+        if len(expected) != len(actual):
+            return [f"{path}: {len(expected)} items, {len(actual)} now"]
+        return [d for i, (e, a) in enumerate(zip(expected, actual)) for d in differences(e, a, f"{path}[{i}]")]
+    if isinstance(expected, float) or isinstance(actual, float):
+        return [f"{path}: {expected} vs {actual}"] if abs(expected - actual) > TOLERANCE else []
+    return [f"{path}: {expected!r} vs {actual!r}"] if expected != actual else []
+
+
+SCENARIOS = [
+    "plain_module",
+    "scalar_resume",
+    "custom_pretrained",
+    "second_trainer",
+    "model_init",
+    "best_model_and_early_stopping",
+    "predict",
+    "custom_optimizer",
+    "iterable_dataset",
+    "gradient_checkpointing_and_auto_batch",
+    "subclass",
+    "torch_compile",
+]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_fsdp2_trainer_matches_plain_trainer(dropin, scenario, world):
+    reference, ours = dropin["plain-1"][scenario], dropin[f"fsdp2-{world}"][scenario]
+    assert "error" not in reference, reference.get("traceback")
+    assert "error" not in ours, ours.get("traceback")
+    found = differences(reference, ours, scenario)
+    assert not found, "\n".join(found[:10])
+
+
+def test_the_scenarios_check_what_they_claim(dropin):
+    plain = dropin["plain-1"]
+    assert len(plain["plain_module"]["losses"]) == 4 and "scale" in plain["plain_module"]["exported"]
+    resumed = plain["scalar_resume"]  # the resumed run's history starts with the checkpoint's two steps
+    assert resumed["resumed"][2:] == pytest.approx(resumed["losses"][2:], abs=1e-6)
+    assert "temperature" in plain["custom_pretrained"]["weights"]
+    assert plain["model_init"]["again"] == plain["model_init"]["losses"]
+    best = plain["best_model_and_early_stopping"]
+    assert best["global_step"] < 12, "early stopping never stopped: the scenario does not exercise it"
+    assert best["best"] in best["checkpoints"] and len(best["checkpoints"]) <= 3
+    assert best["eval_after_best"] == pytest.approx(min(best["evals"]), abs=1e-6)
+
+
+def test_a_second_trainer_with_other_settings_or_a_foreign_shard_is_refused(dropin):
+    messages = dropin["fsdp2-2"]["refusals"]
+    assert "param_dtype: 'None' then, 'torch.bfloat16' now" in messages["bf16_now"]
+    assert "reshard_after_forward: True then, False now" in messages["other_units"]
+    assert "already sharded with fully_shard outside hf_fsdp2" in messages["foreign"]
+    assert "no module matched transformer_layer_cls_to_wrap=['NoSuchBlock']" in messages["unknown_block"]
