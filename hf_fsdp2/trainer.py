@@ -69,23 +69,19 @@ class FSDP2Mixin:
     A path becomes a meta skeleton first, so no rank ever loads the whole model.
     """
 
-    def __init__(
-        self,
-        model: nn.Module | str | os.PathLike | None = None,
-        args: Optional[TrainingArguments] = None,
-        *trainer_args: Any,
-        fsdp2_config: Optional[FSDP2Config] = None,
-        **trainer_kwargs: Any,
-    ) -> None:
+    def __init__(self, *trainer_args: Any, fsdp2_config: Optional[FSDP2Config] = None, **trainer_kwargs: Any) -> None:
         self.fsdp2_config = fsdp2_config if fsdp2_config is not None else FSDP2Config()
-        _validate_args(model, self.fsdp2_config, trainer_kwargs)
+        # The next class's own signature says which argument is the model (DPOTrainer's second is ref_model).
+        bound = _bind(super().__init__, trainer_args, trainer_kwargs)
+        model, args = bound.arguments.get("model"), bound.arguments.get("args")
+        _validate_args(model, self.fsdp2_config, bound.arguments)
         init_distributed()
         if isinstance(model, (str, os.PathLike)):
-            model = self._skeleton(model, args)
+            bound.arguments["model"] = self._skeleton(model, args)
         self._original_names: dict[int, str] = {}
         self._async_saver: Optional[AsyncSaver] = None
         self._pending_save: Optional[tuple[list[Any], str, str, str]] = None
-        super().__init__(model, args, *trainer_args, **trainer_kwargs)
+        super().__init__(*bound.args, **bound.kwargs)
         self.is_distributed_loading_by_transformers = True
         if not _loss_uses_num_items(self.model):
             self.model_accepts_loss_kwargs = False
@@ -323,6 +319,16 @@ def _sharding_extra_models(accelerate_prepare: Callable[..., nn.Module], trainer
         return accelerate_prepare(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
 
     return prepare
+
+
+def _bind(init: Callable[..., None], args: tuple[Any, ...], kwargs: dict[str, Any]) -> inspect.BoundArguments:
+    """Bind a trainer's constructor arguments by name; `(*args, **kwargs)` constructors bind as Trainer's."""
+    signature = inspect.signature(init)
+    if "model" not in signature.parameters:
+        signature = inspect.signature(Trainer.__init__).replace(
+            parameters=list(inspect.signature(Trainer.__init__).parameters.values())[1:]
+        )
+    return signature.bind_partial(*args, **kwargs)
 
 
 def _consolidate_callback(config: FSDP2Config) -> ConsolidateCallback:

@@ -7,18 +7,13 @@ Like a user's script, this worker never calls close_distributed(): the process g
 
 from __future__ import annotations
 
-import json
-import math
 import os
 import sys
-import traceback
 from typing import Any, Callable
 
 import torch
 from datasets import Dataset
-from safetensors.torch import load_file
 from torch import nn
-from torch.distributed.tensor import DTensor
 from transformers import (
     AutoModelForCausalLM,
     EarlyStoppingCallback,
@@ -28,6 +23,7 @@ from transformers import (
     TrainingArguments,
 )
 
+from tests.workers.scenarios import full_weights, losses, run_scenarios, saved_tensors
 from tests.workers.train_worker import make_dataset
 
 MODE, OUT, LLAMA, GPT2 = sys.argv[1:5]
@@ -112,27 +108,6 @@ def args(name: str, **overrides: Any) -> TrainingArguments:
     )
     values.update(overrides)
     return TrainingArguments(**values)
-
-
-def full_weights(model: nn.Module) -> dict[str, list[float]]:
-    """Every parameter as a flat list (gathered from the shards; NOTE: collective)."""
-    out = {}
-    for name, param in model.named_parameters():
-        tensor = param.full_tensor() if isinstance(param, DTensor) else param
-        out[name.removeprefix("module.")] = tensor.detach().float().flatten().tolist()
-    return out
-
-
-def losses(trainer: Trainer) -> list[float]:
-    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
-
-
-def saved_tensors(directory: str) -> dict[str, list[float]]:
-    files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
-    out: dict[str, list[float]] = {}
-    for name in files:
-        out.update({k: v.float().flatten().tolist() for k, v in load_file(os.path.join(directory, name)).items()})
-    return out
 
 
 def causal_model() -> nn.Module:
@@ -367,18 +342,7 @@ if MODE == "fsdp2":
 
 
 def main() -> None:
-    chosen = sys.argv[5:] or list(SCENARIOS)
-    results: dict[str, Any] = {}
-    for name in chosen:
-        try:
-            results[name] = SCENARIOS[name]()
-        except Exception as error:  # recorded, so one broken scenario does not hide the others
-            results[name] = {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()}
-            print(results[name]["traceback"], file=sys.stderr, flush=True)
-    if RANK == 0:
-        with open(f"{RUN_DIR}.json", "w") as f:
-            json.dump(results, f, allow_nan=True)
-    assert all(math.isfinite(v) for r in results.values() for v in r.get("losses", []))
+    run_scenarios(SCENARIOS, sys.argv[5:], f"{RUN_DIR}.json")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,54 @@
+"""What scenario workers share: turning a trained model into comparable numbers, and the run loop."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import traceback
+from typing import Any, Callable
+
+from safetensors.torch import load_file
+from torch import nn
+from torch.distributed.tensor import DTensor
+from transformers import Trainer
+
+
+def full_weights(model: nn.Module, trainable_only: bool = False) -> dict[str, list[float]]:
+    """Every parameter as a flat list (gathered from the shards; NOTE: collective)."""
+    out = {}
+    for name, param in model.named_parameters():
+        if trainable_only and not param.requires_grad:
+            continue
+        tensor = param.full_tensor() if isinstance(param, DTensor) else param
+        out[name.removeprefix("module.")] = tensor.detach().float().flatten().tolist()
+    return out
+
+
+def losses(trainer: Trainer) -> list[float]:
+    """The logged training losses, in step order."""
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def saved_tensors(directory: str) -> dict[str, list[float]]:
+    """Every tensor of a folder's safetensors files, flattened."""
+    out: dict[str, list[float]] = {}
+    for name in sorted(f for f in os.listdir(directory) if f.endswith(".safetensors")):
+        out.update({k: v.float().flatten().tolist() for k, v in load_file(os.path.join(directory, name)).items()})
+    return out
+
+
+def run_scenarios(scenarios: dict[str, Callable[[], dict[str, Any]]], chosen: list[str], result_file: str) -> None:
+    """Run each chosen scenario, recording its numbers or its error; rank 0 writes them all as JSON."""
+    results: dict[str, Any] = {}
+    for name in chosen or list(scenarios):
+        try:
+            results[name] = scenarios[name]()
+        except Exception as error:  # recorded, so one broken scenario does not hide the others
+            results[name] = {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()}
+            print(results[name]["traceback"], file=sys.stderr, flush=True)
+    if int(os.environ.get("RANK", "0")) == 0:
+        with open(result_file, "w") as f:
+            json.dump(results, f)
+    assert all(math.isfinite(v) for r in results.values() for v in r.get("losses", []))

@@ -1,0 +1,147 @@
+"""TRL scenarios: plain SFTTrainer/DPOTrainer as one process, or hf_fsdp2's TRL trainers on any world size.
+
+Usage: trl_worker.py {plain,fsdp2} OUT LLAMA [SCENARIO ...]; rank 0 writes OUT/{MODE}-{WORLD}.json.
+fp32 throughout for parity (SFTConfig's bf16 default rounds differently under autocast and FSDP2's
+mixed precision), except `sft_defaults`, which keeps SFTConfig's defaults and only has to train.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Callable
+
+import torch
+from datasets import Dataset
+from peft import LoraConfig
+from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
+
+from tests.tiny_models import tiny_tokenizer
+from tests.workers.scenarios import full_weights, losses, run_scenarios, saved_tensors
+
+MODE, OUT, LLAMA = sys.argv[1:4]
+WORLD = int(os.environ.get("WORLD_SIZE", "1"))
+RUN_DIR = os.path.join(OUT, f"{MODE}-{WORLD}")
+GLOBAL_BATCH = 4
+
+if MODE == "fsdp2":
+    from hf_fsdp2.trl import FSDP2DPOTrainer, FSDP2SFTTrainer
+
+    SFT: type = FSDP2SFTTrainer
+    DPO: type = FSDP2DPOTrainer
+else:
+    SFT, DPO = SFTTrainer, DPOTrainer
+
+
+def words(g: torch.Generator, n: int) -> str:
+    return " ".join(f"t{int(i)}" for i in torch.randint(3, 96, (n,), generator=g))
+
+
+def sft_data(n: int = 32) -> Dataset:
+    g = torch.Generator().manual_seed(0)
+    return Dataset.from_dict({"prompt": [words(g, 4) for _ in range(n)], "completion": [words(g, 6) for _ in range(n)]})
+
+
+def dpo_data(n: int = 32) -> Dataset:
+    g = torch.Generator().manual_seed(1)
+    rows = [(words(g, 4), words(g, 5), words(g, 5)) for _ in range(n)]
+    return Dataset.from_dict({k: [r[i] for r in rows] for i, k in enumerate(("prompt", "chosen", "rejected"))})
+
+
+def common(name: str) -> dict[str, Any]:
+    return dict(
+        output_dir=os.path.join(RUN_DIR, name),
+        per_device_train_batch_size=GLOBAL_BATCH // WORLD,
+        max_steps=4,
+        learning_rate=1e-3,
+        lr_scheduler_type="constant",
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=11,
+    )
+
+
+def sft_config(name: str, **overrides: Any) -> SFTConfig:
+    return SFTConfig(**{**common(name), "bf16": False, "gradient_checkpointing": False, "max_length": 32, **overrides})
+
+
+def lora() -> LoraConfig:
+    return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, task_type="CAUSAL_LM")
+
+
+def sft_full() -> dict[str, Any]:
+    """Full fine-tune from a model path."""
+    trainer = SFT(LLAMA, args=sft_config("sft_full"), train_dataset=sft_data(), processing_class=tiny_tokenizer())
+    trainer.train()
+    return {"losses": losses(trainer), "weights": full_weights(trainer.model)}
+
+
+def sft_lora() -> dict[str, Any]:
+    """SFTTrainer's own peft_config: adapters built on the skeleton; adapter-only checkpoint, then resume."""
+    name = "sft_lora"
+    config = sft_config(name, save_strategy="steps", save_steps=2)
+    trainer = SFT(LLAMA, args=config, train_dataset=sft_data(), processing_class=tiny_tokenizer(), peft_config=lora())
+    trainer.train()
+    adapters = full_weights(trainer.model, trainable_only=True)
+    checkpoint = os.path.join(config.output_dir, "checkpoint-2")
+    resumed = SFT(LLAMA, args=config, train_dataset=sft_data(), processing_class=tiny_tokenizer(), peft_config=lora())
+    resumed.train(resume_from_checkpoint=checkpoint)
+    export = os.path.join(RUN_DIR, "sft_lora_export")
+    resumed.save_model(export)
+    return {
+        "losses": losses(trainer),
+        "resumed": losses(resumed)[2:],
+        "adapters": adapters,
+        "checkpoint_files": sorted(f for f in os.listdir(checkpoint) if not f.startswith("rng_state")),
+        "exported": saved_tensors(export) if int(os.environ.get("RANK", "0")) == 0 else {},
+    }
+
+
+def sft_defaults() -> dict[str, Any]:
+    """SFTConfig's own defaults (bf16=True, gradient_checkpointing=True): it must train (no parity in bf16)."""
+    config = SFTConfig(**{**common("sft_defaults"), "max_length": 32, "learning_rate": 1e-2})
+    assert config.bf16 and config.gradient_checkpointing, "SFTConfig's defaults changed; update the scenario"
+    trainer = SFT(LLAMA, args=config, train_dataset=sft_data(), processing_class=tiny_tokenizer(), peft_config=lora())
+    trainer.train()
+    return {"bf16_losses": losses(trainer)}
+
+
+def dpo_config(name: str) -> DPOConfig:
+    return DPOConfig(**{**common(name), "bf16": False, "gradient_checkpointing": False, "max_length": 32})
+
+
+def dpo_full() -> dict[str, Any]:
+    """Full DPO: the reference is a second copy of the model, sharded and frozen."""
+    trainer = DPO(LLAMA, args=dpo_config("dpo_full"), train_dataset=dpo_data(), processing_class=tiny_tokenizer())
+    trainer.train()
+    result = {"losses": losses(trainer), "weights": full_weights(trainer.model)}
+    if MODE == "fsdp2":
+        from torch.distributed.fsdp import FSDPModule
+
+        ref = trainer.ref_model
+        result["fsdp2_only"] = {
+            "ref_sharded": isinstance(ref, FSDPModule),
+            "ref_trainable": sum(p.requires_grad for p in ref.parameters()),
+            "optimizer_params": sum(len(g["params"]) for g in trainer.optimizer.param_groups),
+            "policy_params": len(list(trainer.model.parameters())),
+        }
+    return result
+
+
+def dpo_lora() -> dict[str, Any]:
+    """DPO with peft_config: the adapter-disabled policy serves as the reference."""
+    trainer = DPO(
+        LLAMA, args=dpo_config("dpo_lora"), train_dataset=dpo_data(), processing_class=tiny_tokenizer(), peft_config=lora()
+    )
+    trainer.train()
+    return {"losses": losses(trainer), "adapters": full_weights(trainer.model, trainable_only=True)}
+
+
+SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {
+    f.__name__: f for f in (sft_full, sft_lora, sft_defaults, dpo_full, dpo_lora)
+}
+
+if __name__ == "__main__":
+    run_scenarios(SCENARIOS, sys.argv[4:], f"{RUN_DIR}.json")
