@@ -1,6 +1,6 @@
 """hf_fsdp2: shard any Hugging Face model with PyTorch FSDP2 by changing `Trainer(...)` to `FSDP2Trainer(...)`.
 
-Read the code in flow order: distributed → skeleton → loading → sharding → model → trainer.
+Read the code in flow order: distributed → skeleton → loading → sharding → model → trainer (FSDP2Mixin) → trl.
 """
 
 from .config import FSDP2Config

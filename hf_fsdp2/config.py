@@ -41,12 +41,17 @@ class FSDP2Config:
         default=None,
         metadata={
             "help": "Class names of the blocks to wrap with 'transformer_based_wrap'. "
-            "Default: the model's `_no_split_modules` (e.g. ['LlamaDecoderLayer'])."
+            "Default: the model's `_no_split_modules` (e.g. ['LlamaDecoderLayer']); a model that declares none "
+            "(a plain nn.Module) gets size-based units (min_num_params), else one unit for the whole model. "
+            "Names given here must match a module, or sharding fails listing the model's classes."
         },
     )
     min_num_params: int = field(
         default=100_000_000,
-        metadata={"help": "Parameter count from which a module becomes a unit under 'size_based_wrap'."},
+        metadata={
+            "help": "Parameter count from which a module becomes a unit under 'size_based_wrap' (and under "
+            "'transformer_based_wrap' for a model that declares no blocks)."
+        },
     )
     reshard_after_forward: str = field(  # type: ignore[assignment]
         default=True,

@@ -37,9 +37,14 @@ def get_device() -> torch.device:
 def init_distributed() -> None:
     """Join torchrun's process group, or start a world of one; reuse a group that already exists.
 
-    A group started here is also ended here when the interpreter exits normally (see `_close_at_exit`), so
-    an unchanged Trainer script needs no extra line.
+    Either way the group is ended at a normal interpreter exit (see `_close_at_exit`), so an unchanged
+    Trainer script needs no extra line. That includes a group Accelerate started for TrainingArguments
+    under torchrun: nothing uses a process group once the interpreter is exiting.
     """
+    global _exit_handler_registered
+    if not _exit_handler_registered:
+        atexit.register(_close_at_exit)
+        _exit_handler_registered = True
     if dist.is_initialized():
         return
     device = get_device()
@@ -51,9 +56,9 @@ def init_distributed() -> None:
     else:
         # NOTE: a world of one needs no rendezvous; a HashStore keeps it free of ports and files.
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
-    atexit.register(_close_at_exit)
 
 
+_exit_handler_registered = False
 # How long a rank that exits normally waits at exit for the others before it leaves without the barrier.
 EXIT_BARRIER_TIMEOUT = timedelta(minutes=5)
 

@@ -1,6 +1,13 @@
-"""FSDP2Trainer: a `transformers.Trainer` whose model is sharded with FSDP2 when the trainer is built.
+"""FSDP2Mixin and FSDP2Trainer: a `transformers.Trainer` (or subclass) whose model is sharded with FSDP2
+when the trainer is built.
 
 This is the only module that knows Trainer/Accelerate internals. Every private hook it touches:
+- `create_accelerator_and_postprocess`: the first thing `Trainer.__init__` calls after storing the model;
+  the model is sharded there (in place), after a subclass's own `__init__` changed it (TRL's
+  `get_peft_model`) and before Trainer reads it (tests/test_trl.py, tests/test_dropin.py).
+- `call_model_init`: each model `model_init` returns is sharded (tests/test_dropin.py model_init).
+- `Accelerator.prepare_model` (wrapped on the instance): an extra model a subclass prepares for evaluation
+  (DPO's reference) is sharded frozen instead of replicated (tests/test_trl.py dpo_full).
 - `is_distributed_loading_by_transformers` (set after `__init__`): Trainer's path for models sharded
   before it sees them; `_prepare_for_training` then skips Accelerate's DDP/FSDP wrap.
   Guarded by tests/test_parity.py (a second wrap fails with "mixed torch.Tensor and DTensor").

@@ -17,7 +17,7 @@ import sys
 
 from transformers import TrainingArguments
 
-from hf_fsdp2 import FSDP2Config, close_distributed
+from hf_fsdp2 import FSDP2Config
 from hf_fsdp2.classify_job import ClassifyArguments, run_classify
 from hf_fsdp2.recipe_args import parse_recipe_args
 
@@ -27,7 +27,6 @@ def main() -> None:
         (ClassifyArguments, TrainingArguments, FSDP2Config), sys.argv[1:]
     )
     run_classify(args, training_args, fsdp2_config)
-    close_distributed()  # on success only; see its docstring
 
 
 if __name__ == "__main__":

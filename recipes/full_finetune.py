@@ -15,7 +15,7 @@ import sys
 
 from transformers import TrainingArguments
 
-from hf_fsdp2 import FSDP2Config, close_distributed
+from hf_fsdp2 import FSDP2Config
 from hf_fsdp2.recipe_args import parse_recipe_args
 from hf_fsdp2.sft_job import SFTArguments, run_sft
 
@@ -23,7 +23,6 @@ from hf_fsdp2.sft_job import SFTArguments, run_sft
 def main() -> None:
     args, training_args, fsdp2_config = parse_recipe_args((SFTArguments, TrainingArguments, FSDP2Config), sys.argv[1:])
     run_sft(args, training_args, fsdp2_config)
-    close_distributed()  # on success only; see its docstring
 
 
 if __name__ == "__main__":

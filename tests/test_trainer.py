@@ -103,3 +103,15 @@ def test_mesh_release_survives_weak_proxies_to_dead_objects():
     _release_mesh_groups()
     with pytest.raises(ReferenceError):
         proxy.anything  # the proxy really is dead, so the release above walked past it
+
+
+def test_an_unchanged_trainer_script_ends_its_process_group_by_itself(tmp_path, tiny):
+    proc = run("unchanged_script.py", 2, tiny("llama"))  # raises unless the exit code is 0
+    assert proc.stdout.count("at exit: process group open False") == 2, proc.stdout
+    assert "terminate called" not in proc.stderr and "SIGABRT" not in proc.stderr
+
+
+def test_a_rank_that_fails_after_training_does_not_hang_the_job(tiny):
+    proc = run("unchanged_script.py", 2, tiny("llama"), "fail", timeout=300, expect_ok=False)
+    assert proc.returncode != 0
+    assert "rank 1 fails after training" in proc.stderr

@@ -45,6 +45,8 @@ def test_peft_config_checkpoints_are_adapter_only_and_resume_exactly(trl_runs):
     assert "pytorch_model_fsdp_0" not in lora["checkpoint_files"], "no frozen base weight in a LoRA checkpoint"
     assert lora["resumed"] == pytest.approx(lora["losses"][2:], abs=1e-5)
     assert lora["exported"] and all("lora_" in key for key in lora["exported"])
+    # merge_adapters_on_save on a peft_config model equals peft's merge_and_unload of the adapter export
+    assert lora["fsdp2_only"]["merged_vs_peft"] <= 1e-6
 
 
 def test_sft_config_defaults_train_on_two_ranks(trl_runs):

@@ -21,6 +21,7 @@ from tests.workers.scenarios import full_weights, losses, run_scenarios, saved_t
 
 MODE, OUT, LLAMA = sys.argv[1:4]
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
+RANK = int(os.environ.get("RANK", "0"))
 RUN_DIR = os.path.join(OUT, f"{MODE}-{WORLD}")
 GLOBAL_BATCH = 4
 
@@ -90,13 +91,31 @@ def sft_lora() -> dict[str, Any]:
     resumed.train(resume_from_checkpoint=checkpoint)
     export = os.path.join(RUN_DIR, "sft_lora_export")
     resumed.save_model(export)
-    return {
+    result = {
         "losses": losses(trainer),
         "resumed": losses(resumed)[2:],
         "adapters": adapters,
         "checkpoint_files": sorted(f for f in os.listdir(checkpoint) if not f.startswith("rng_state")),
-        "exported": saved_tensors(export) if int(os.environ.get("RANK", "0")) == 0 else {},
+        "exported": saved_tensors(export) if RANK == 0 else {},
     }
+    if MODE == "fsdp2":
+        resumed.fsdp2_config.merge_adapters_on_save = True
+        merged = os.path.join(RUN_DIR, "sft_lora_merged")
+        resumed.save_model(merged)
+        result["fsdp2_only"] = {"merged_vs_peft": merged_difference(export, merged) if RANK == 0 else 0.0}
+    return result
+
+
+def merged_difference(adapter: str, merged: str) -> float:
+    """Largest difference between our merged export and peft's merge_and_unload of the adapter export."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    ours = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).state_dict()
+    base = AutoModelForCausalLM.from_pretrained(LLAMA, dtype=torch.float32)
+    theirs = PeftModel.from_pretrained(base, adapter).merge_and_unload().state_dict()
+    assert ours.keys() == theirs.keys(), sorted(set(ours) ^ set(theirs))
+    return max(float((ours[k] - theirs[k]).abs().max()) for k in ours)
 
 
 def sft_defaults() -> dict[str, Any]:
