@@ -410,7 +410,19 @@ def repoint_optimizer(optimizer: torch.optim.Optimizer, original_names: dict[int
 
 
 def _loss_uses_num_items(model: nn.Module) -> bool:
-    """False when the model's loss ignores `num_items_in_batch` (e.g. sequence classification)."""
+    """False when the model's loss ignores `num_items_in_batch`, so Trainer must not scale it by the world size.
+
+    Trainer assumes a forward with `**kwargs` normalizes its loss by the global token count and multiplies
+    the loss by the number of ranks; a model that computes its own mean loss (T5, BART, sequence
+    classification, a plain nn.Module) would then train on a loss (and gradients) N times too large.
+    """
+    model = model.get_base_model() if is_peft_model(model) else model
+    try:
+        forward = inspect.getsource(type(model).forward)
+    except (OSError, TypeError):  # no source (built at run time): keep Trainer's own rule
+        forward = None
+    if forward is not None and "loss_function" not in forward and "num_items_in_batch" not in forward:
+        return False
     loss_function = getattr(model, "loss_function", None)
     if loss_function is None:
         return True

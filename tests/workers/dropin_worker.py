@@ -288,6 +288,55 @@ def subclass() -> dict[str, Any]:
     return {"losses": losses(trainer), "weights": full_weights(trainer.model)}
 
 
+def seq2seq_own_loss() -> dict[str, Any]:
+    """T5: its forward takes **kwargs but computes its own mean loss, so the loss must not be scaled by ranks."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = T5Config(vocab_size=50, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2, dropout_rate=0.0, decoder_start_token_id=0)
+    model = T5ForConditionalGeneration(config)
+    g = torch.Generator().manual_seed(0)
+    data = Dataset.from_dict(
+        {"input_ids": torch.randint(1, 50, (16, 6), generator=g).tolist(), "labels": torch.randint(1, 50, (16, 4), generator=g).tolist()}
+    )
+    trainer = TrainerClass(model, args("seq2seq", learning_rate=1e-3), train_dataset=data)
+    trainer.train()
+    return {"losses": losses(trainer), "weights": full_weights(trainer.model)}
+
+
+class ClipWithLoss(nn.Module):
+    """CLIP returning its contrastive loss (which depends on the per-rank batch, like DDP's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import CLIPConfig, CLIPModel
+
+        text = dict(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+        vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=8, patch_size=4)
+        self.clip = CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=8))
+
+    def forward(self, input_ids: torch.Tensor, pixel_values: torch.Tensor) -> Any:
+        return self.clip(input_ids=input_ids, pixel_values=pixel_values, return_loss=True)
+
+
+def clip() -> dict[str, Any]:
+    """CLIP's 0-dim logit_scale trains; on every rank it holds the same value."""
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    data = Dataset.from_dict(
+        {"input_ids": torch.randint(0, 50, (16, 6), generator=g).tolist(), "pixel_values": torch.randn(16, 3, 8, 8, generator=g).tolist()}
+    )
+    trainer = TrainerClass(ClipWithLoss(), args("clip", learning_rate=1e-3), train_dataset=data)
+    trainer.train()
+    scale = float(trainer.model.clip.logit_scale.detach())
+    every_rank = [scale] * WORLD
+    if dist.is_initialized() and WORLD > 1:
+        dist.all_gather_object(every_rank, scale)
+    return {"losses": losses(trainer), "weights": full_weights(trainer.model), "per_rank": {"logit_scale": every_rank}}
+
+
 def torch_compile() -> dict[str, Any]:
     """torch_compile=True in TrainingArguments."""
     trainer = TrainerClass(causal_model(), args("torch_compile", max_steps=2, torch_compile=True), train_dataset=make_dataset(32, 96))
@@ -334,6 +383,8 @@ SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {
         iterable_dataset,
         gradient_checkpointing_and_auto_batch,
         subclass,
+        seq2seq_own_loss,
+        clip,
         torch_compile,
     )
 }
