@@ -3,16 +3,22 @@
 Read the code in flow order: distributed → skeleton → loading → sharding → model → trainer (FSDP2Mixin) → trl.
 """
 
-from .config import FSDP2Config
-from .model import prepare_model
-from .skeleton import from_pretrained
 from .callbacks import ConsolidateCallback
+from .config import FSDP2Config
 from .consolidate import consolidate
 from .distributed import close_distributed
+from .model import prepare_model
+from .skeleton import from_pretrained
 from .trainer import FSDP2Mixin, FSDP2Trainer
 
 __all__ = [
-    "ConsolidateCallback", "FSDP2Config", "FSDP2Mixin", "FSDP2Trainer", "close_distributed", "consolidate", "from_pretrained",
+    "ConsolidateCallback",
+    "FSDP2Config",
+    "FSDP2Mixin",
+    "FSDP2Trainer",
+    "close_distributed",
+    "consolidate",
+    "from_pretrained",
     "prepare_model",
 ]
 __version__ = "0.1.0"

@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 import json
 import os
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -143,7 +143,8 @@ def check_mergeable(model: nn.Module) -> tuple[str, dict[str, nn.Module]]:
     adapter = active_adapter(model)
     if model.peft_config[adapter].peft_type.value != "LORA":
         raise ValueError(
-            f"merge_adapters_on_save supports LoRA adapters; {adapter!r} is {model.peft_config[adapter].peft_type.value}. "
+            f"merge_adapters_on_save supports LoRA adapters; {adapter!r} is "
+            f"{model.peft_config[adapter].peft_type.value}. "
             "Save the adapter (the default) and merge it with peft on one process."
         )
     layers = {
@@ -211,13 +212,15 @@ def _delta_weight(layer: nn.Module, adapter: str) -> torch.Tensor:
     clone = copy.copy(layer)
     clone._modules = dict(layer._modules)
     for attr in ("lora_A", "lora_B"):
-        modules: Optional[nn.ModuleDict] = layer._modules.get(attr)
+        modules: nn.ModuleDict | None = layer._modules.get(attr)
         if modules is not None and adapter in modules:
             inner = copy.copy(modules[adapter])
-            inner._parameters = {k: None if p is None else nn.Parameter(full_copy(p)) for k, p in inner._parameters.items()}
+            inner._parameters = {
+                k: None if p is None else nn.Parameter(full_copy(p)) for k, p in inner._parameters.items()
+            }
             clone._modules[attr] = nn.ModuleDict({adapter: inner})
     for attr in ("lora_embedding_A", "lora_embedding_B"):
-        params: Optional[nn.ParameterDict] = layer._modules.get(attr)
+        params: nn.ParameterDict | None = layer._modules.get(attr)
         if params is not None and adapter in params:
             clone._modules[attr] = nn.ParameterDict({adapter: nn.Parameter(full_copy(params[adapter]))})
     with torch.no_grad():

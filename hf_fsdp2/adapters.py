@@ -9,11 +9,10 @@ skeleton's RNG state, on a stand-in whose every tensor is one element expanded t
 from __future__ import annotations
 
 import copy
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
-
 
 _PEFT_ROOT = ("base_model", "model")
 # Segments that peft inserts into a base tensor's name: tuner layers keep the base module as `base_layer`,
@@ -31,12 +30,12 @@ def is_peft_model(model: nn.Module) -> bool:
     return isinstance(model, PeftModel)
 
 
-def adapter_prefix(model: nn.Module) -> Optional[str]:
+def adapter_prefix(model: nn.Module) -> str | None:
     """The name prefix of the tuner's own parameters (`lora_` for LoRA), or None for a plain model."""
     return model.base_model.prefix if is_peft_model(model) else None
 
 
-def is_adapter_tensor(name: str, prefix: Optional[str]) -> bool:
+def is_adapter_tensor(name: str, prefix: str | None) -> bool:
     """True for an adapter's own tensor (e.g. `...q_proj.lora_A.default.weight`), which no base checkpoint holds."""
     return prefix is not None and any(part.startswith(prefix) for part in name.split("."))
 
@@ -71,7 +70,7 @@ def check_replayable(model: nn.Module) -> None:
             )
 
 
-def _weight_dependent_init(config: Any) -> Optional[str]:
+def _weight_dependent_init(config: Any) -> str | None:
     """Describe an adapter initialization computed from the base weights, or None."""
     if getattr(config, "use_dora", False):
         return "use_dora=True (its magnitude vector is the norm of the base weights)"
@@ -131,7 +130,7 @@ def replayed_adapter_values(model: nn.Module, base: nn.Module, names: list[str])
     return out
 
 
-def _describe(tensor: Optional[torch.Tensor]) -> str:
+def _describe(tensor: torch.Tensor | None) -> str:
     return "nothing" if tensor is None else f"{tuple(tensor.shape)} {tensor.dtype}"
 
 

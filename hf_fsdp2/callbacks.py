@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
@@ -21,8 +21,8 @@ class ConsolidateCallback(TrainerCallback):
 
     def __init__(
         self,
-        output_dir: Optional[str] = None,
-        dtype: Optional[str] = None,
+        output_dir: str | None = None,
+        dtype: str | None = None,
         max_shard_size: str = "5GB",
         merge_adapters: bool = False,
     ):

@@ -14,7 +14,7 @@ import os
 import pickle
 import shutil
 import warnings
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -22,8 +22,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -75,7 +75,7 @@ class SafeFileSystemReader(FileSystemReader):
 
     def __init__(self, path: str, cache_metadata: bool = False) -> None:
         super().__init__(path)
-        self._metadata_cache: Optional[dict[str, Metadata]] = {} if cache_metadata else None
+        self._metadata_cache: dict[str, Metadata] | None = {} if cache_metadata else None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))
@@ -234,8 +234,8 @@ class AsyncSaver:
 def save_sharded(
     directory: str,
     model: nn.Module,
-    optimizer: Optional[torch.optim.Optimizer],
-    saver: Optional[AsyncSaver] = None,
+    optimizer: torch.optim.Optimizer | None,
+    saver: AsyncSaver | None = None,
     include_model: bool = True,
 ) -> list[Any]:
     """Write this rank's part of the model (and optimizer) under `directory`.
@@ -262,7 +262,7 @@ def save_sharded(
     return pending
 
 
-def load_sharded_model(model: nn.Module, checkpoint: str) -> None:
+def resume_model(model: nn.Module, checkpoint: str) -> None:
     """Fill the sharded model in place from a checkpoint (any world size: DCP reshards)."""
     directory = validate_checkpoint(checkpoint)
     state = model_state_dict(model)
@@ -270,7 +270,7 @@ def load_sharded_model(model: nn.Module, checkpoint: str) -> None:
     load_in_place({MODEL_KEY: state}, directory)
 
 
-def load_sharded_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, checkpoint: str) -> None:
+def resume_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, checkpoint: str) -> None:
     """Restore the optimizer state of the sharded parameters from a checkpoint."""
     directory = os.path.join(checkpoint, OPTIMIZER_DIR)
     if not os.path.isfile(os.path.join(directory, METADATA_FILE)):
@@ -283,7 +283,7 @@ def load_sharded_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, c
     set_optimizer_state_dict(model, optimizer, state)
 
 
-def load_in_place(state: dict[str, Any], directory: str, reader: Optional[SafeFileSystemReader] = None) -> None:
+def load_in_place(state: dict[str, Any], directory: str, reader: SafeFileSystemReader | None = None) -> None:
     """DCP-load into `state`'s tensors, turning any read failure into an error that names the folder."""
     reader = reader if reader is not None else SafeFileSystemReader(directory)
     try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from . import __version__
 from .config import DTYPES
@@ -22,7 +22,8 @@ def build_parser() -> argparse.ArgumentParser:
         "consolidate",
         help="turn a sharded checkpoint into a from_pretrained-ready Hugging Face folder",
         description="Stream a sharded checkpoint (FSDP2Trainer's, or Trainer + Accelerate's SHARDED_STATE_DICT) "
-        "into model.safetensors (or shards + index), config and tokenizer files. Memory: about twice the largest tensor, never the model.",
+        "into model.safetensors (or shards + index), config and tokenizer files. "
+        "Memory: about twice the largest tensor, never the model.",
     )
     consolidate.add_argument("checkpoint_dir", help="a checkpoint-N folder or its pytorch_model_fsdp_0 folder")
     consolidate.add_argument("output_dir", help="where to write the Hugging Face folder")
@@ -32,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -8,7 +8,7 @@ and the README's configuration reference show the same words.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal
 
 import torch
 
@@ -37,7 +37,7 @@ class FSDP2Config:
             "'no_wrap' (one unit: the whole model), or a callable module -> bool."
         },
     )
-    transformer_layer_cls_to_wrap: Optional[list[str]] = field(
+    transformer_layer_cls_to_wrap: list[str] | None = field(
         default=None,
         metadata={
             "help": "Class names of the blocks to wrap with 'transformer_based_wrap'. "
@@ -61,7 +61,7 @@ class FSDP2Config:
             "ranks (must divide the shard group size). The root unit is never resharded after forward."
         },
     )
-    param_dtype: Optional[str] = field(
+    param_dtype: str | None = field(
         default=None,
         metadata={
             "help": "Dtype of the gathered parameters used in forward/backward: 'bfloat16', 'float32'. "
@@ -69,7 +69,7 @@ class FSDP2Config:
             "Trainable parameters are always kept as float32 masters when this is lower precision."
         },
     )
-    reduce_dtype: Optional[str] = field(
+    reduce_dtype: str | None = field(
         default=None,
         metadata={
             "help": "Dtype gradients are reduced (reduce-scatter / all-reduce) in. Default: 'float32' "
@@ -135,7 +135,7 @@ class FSDP2Config:
             "the adapter folder. Checkpoints stay adapter-only."
         },
     )
-    export_dtype: Optional[str] = field(
+    export_dtype: str | None = field(
         default=None,
         metadata={
             "help": "Dtype of exported Hugging Face folders (save_model, end of training), e.g. 'bfloat16' after "
@@ -192,7 +192,7 @@ class FSDP2Config:
         return summary
 
 
-def _parse_reshard(value: Union[bool, int, str]) -> Union[bool, int]:
+def _parse_reshard(value: bool | int | str) -> bool | int:
     """Accept True/False/int, and their spellings on a command line."""
     if isinstance(value, str):
         lowered = value.strip().lower()
@@ -209,6 +209,6 @@ def _parse_reshard(value: Union[bool, int, str]) -> Union[bool, int]:
     raise ValueError(f"reshard_after_forward={value!r} is not valid; use True, False or a positive int.")
 
 
-def resolve_dtype(name: Optional[str]) -> Optional[torch.dtype]:
+def resolve_dtype(name: str | None) -> torch.dtype | None:
     """Map a config dtype name to a torch dtype (None stays None)."""
     return None if name is None else DTYPES[name]

@@ -10,13 +10,16 @@ import copy
 import json
 import os
 import shutil
-from typing import Any, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from .adapter_checkpoint import full_copy, merged_state, save_adapter
+from .adapters import is_peft_model
 from .checkpoint import (
     MODEL_KEY,
     SafeFileSystemReader,
@@ -25,8 +28,6 @@ from .checkpoint import (
     read_metadata,
     validate_checkpoint,
 )
-from .adapter_checkpoint import full_copy, merged_state, save_adapter
-from .adapters import is_peft_model
 from .config import resolve_dtype
 from .distributed import is_rank0
 from .hf_export import TensorSpec, prepare_output, publish, write_weights
@@ -49,7 +50,7 @@ MODEL_FILES = (
 )
 
 
-def _export_dtype(stored: torch.dtype, dtype: Optional[torch.dtype]) -> torch.dtype:
+def _export_dtype(stored: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
     """Cast floating tensors to the requested dtype; leave integer and bool tensors alone."""
     return dtype if dtype is not None and stored.is_floating_point else stored
 
@@ -58,7 +59,7 @@ def consolidate(
     checkpoint_dir: str,
     output_dir: str,
     max_shard_size: str | int = "5GB",
-    dtype: Optional[str] = None,
+    dtype: str | None = None,
     overwrite: bool = False,
 ) -> str:
     """Turn a sharded checkpoint (ours or Trainer + Accelerate's) into a `from_pretrained`-ready folder."""
@@ -125,7 +126,7 @@ def _model_files_dir(checkpoint_dir: str, directory: str) -> str:
     )
 
 
-def _copy_model_files(source: str, destination: str, dtype: Optional[torch.dtype]) -> None:
+def _copy_model_files(source: str, destination: str, dtype: torch.dtype | None) -> None:
     """Copy config/generation/tokenizer files, recording the export dtype in config.json."""
     for name in MODEL_FILES:
         if os.path.isfile(os.path.join(source, name)):
@@ -143,7 +144,7 @@ def _set_config_dtype(path: str, dtype: torch.dtype) -> None:
         json.dump(config, f, indent=2, sort_keys=True)
 
 
-def write_model_files(model: Optional[nn.Module], directory: str, processing_class: Any = None) -> None:
+def write_model_files(model: nn.Module | None, directory: str, processing_class: Any = None) -> None:
     """Write config, generation config and tokenizer files of `model` (rank 0 only; None: tokenizer only)."""
     config = getattr(model, "config", None)
     if config is not None:
@@ -161,7 +162,7 @@ def save_pretrained_sharded(
     model: nn.Module,
     output_dir: str,
     processing_class: Any = None,
-    dtype: Optional[str] = None,
+    dtype: str | None = None,
     max_shard_size: str | int = "5GB",
     merge_adapters: bool = False,
 ) -> None:
@@ -191,7 +192,7 @@ def save_pretrained_sharded(
     dist.barrier()
 
 
-def _write_weights_gathered(model: nn.Module, staging: str, dtype: Optional[str], max_shard_size: str | int) -> None:
+def _write_weights_gathered(model: nn.Module, staging: str, dtype: str | None, max_shard_size: str | int) -> None:
     """Gather each tensor (merging LoRA into copies for a PEFT model) and let rank 0 write safetensors files."""
     target = resolve_dtype(dtype)
     state = model_state_dict(model)
@@ -200,7 +201,7 @@ def _write_weights_gathered(model: nn.Module, staging: str, dtype: Optional[str]
         state, merge = merged_state(model, state)
     specs = [TensorSpec(name, tuple(t.shape), _export_dtype(t.dtype, target)) for name, t in state.items()]
 
-    def fetch(spec: TensorSpec) -> Optional[torch.Tensor]:
+    def fetch(spec: TensorSpec) -> torch.Tensor | None:
         tensor = state[spec.name]
         full = full_copy(tensor)
         if merge is not None:

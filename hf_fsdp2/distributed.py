@@ -11,7 +11,7 @@ import gc
 import os
 import sys
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -75,7 +75,7 @@ def _close_at_exit() -> None:
     close_distributed(timeout=EXIT_BARRIER_TIMEOUT)
 
 
-def close_distributed(timeout: Optional[timedelta] = None) -> None:
+def close_distributed(timeout: timedelta | None = None) -> None:
     """End the process group on every rank once the job has succeeded, and free it; a no-op without one.
 
     NOTE: a gloo group still alive at interpreter exit can abort a successful run (SIGABRT, "terminate
@@ -133,15 +133,15 @@ def is_rank0() -> bool:
 
 
 def log_rank0(message: str, *args: Any) -> None:
-    """Log at INFO on rank 0 only, so N ranks do not print N copies."""
+    """Log at INFO on rank 0 only, so N ranks do not print N copies (under the caller's line)."""
     if is_rank0():
-        logger.info(message, *args)
+        logger.info(message, *args, stacklevel=2)
 
 
 def warn_rank0(message: str, *args: Any) -> None:
-    """Warn on rank 0 only."""
+    """Warn on rank 0 only (under the caller's line)."""
     if is_rank0():
-        logger.warning(message, *args)
+        logger.warning(message, *args, stacklevel=2)
 
 
 def check_same_on_all_ranks(what: str, value: Any) -> None:

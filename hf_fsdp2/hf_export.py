@@ -13,9 +13,9 @@ import os
 import re
 import shutil
 import struct
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional
 
 import torch
 from transformers.utils import logging
@@ -91,7 +91,11 @@ def _header(specs: list[TensorSpec]) -> bytes:
     for spec in specs:
         if spec.dtype not in _DTYPES:
             raise ValueError(f"{spec.name} has dtype {spec.dtype}, which safetensors cannot store.")
-        entries[spec.name] = {"dtype": _DTYPES[spec.dtype], "shape": list(spec.shape), "data_offsets": [offset, offset + spec.nbytes]}
+        entries[spec.name] = {
+            "dtype": _DTYPES[spec.dtype],
+            "shape": list(spec.shape),
+            "data_offsets": [offset, offset + spec.nbytes],
+        }
         offset += spec.nbytes
     header = json.dumps(entries, separators=(",", ":")).encode()
     header += b" " * (-len(header) % 8)
@@ -113,7 +117,7 @@ class SafetensorsStream:
         self.file.write(_header(specs))
         self.unsynced = 0
         self.syncer = ThreadPoolExecutor(max_workers=1)
-        self.pending: Optional[Future] = None
+        self.pending: Future | None = None
 
     def write(self, tensor: torch.Tensor) -> None:
         """Append the next planned tensor's bytes (cast to the planned dtype)."""
@@ -152,7 +156,7 @@ class SafetensorsStream:
 def write_weights(
     directory: str,
     specs: list[TensorSpec],
-    fetch: Callable[[TensorSpec], Optional[torch.Tensor]],
+    fetch: Callable[[TensorSpec], torch.Tensor | None],
     max_shard_size: str | int = "5GB",
     write: bool = True,
 ) -> None:
@@ -164,7 +168,7 @@ def write_weights(
     groups = plan_files(specs, parse_size(max_shard_size))
     names = file_names(len(groups))
     progress = logging.tqdm(total=len(specs), desc="Writing weights", disable=not write or len(specs) < 50)
-    for name, group in zip(names, groups):
+    for name, group in zip(names, groups, strict=True):
         stream = SafetensorsStream(os.path.join(directory, name), group) if write else None
         for spec in group:
             tensor = fetch(spec)
@@ -175,7 +179,7 @@ def write_weights(
             stream.close()
     progress.close()
     if write and len(groups) > 1:
-        weight_map = {spec.name: name for name, group in zip(names, groups) for spec in group}
+        weight_map = {spec.name: name for name, group in zip(names, groups, strict=True) for spec in group}
         index = {"metadata": {"total_size": sum(s.nbytes for s in specs)}, "weight_map": weight_map}
         with open(os.path.join(directory, SAFE_INDEX), "w") as f:
             json.dump(index, f, indent=2, sort_keys=True)

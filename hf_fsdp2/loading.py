@@ -15,8 +15,8 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -27,7 +27,14 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import PreTrainedModel
 
-from .adapters import adapter_prefix, base_name, is_adapter_tensor, is_peft_model, replay_adapters, replayed_adapter_values
+from .adapters import (
+    adapter_prefix,
+    base_name,
+    is_adapter_tensor,
+    is_peft_model,
+    replay_adapters,
+    replayed_adapter_values,
+)
 from .distributed import (
     broadcast_from_rank0,
     first_on_any_rank,
@@ -256,7 +263,7 @@ def broadcast_buffers(model: nn.Module) -> None:
         dist.broadcast(buffer, src=0)
 
 
-def safetensors_shapes(path: str) -> Optional[dict[str, torch.Size]]:
+def safetensors_shapes(path: str) -> dict[str, torch.Size] | None:
     """Shapes of every tensor in a folder's safetensors files, or None if it has none."""
     if not os.path.isdir(path) or not glob.glob(os.path.join(path, "*.safetensors")):
         return None
@@ -264,7 +271,7 @@ def safetensors_shapes(path: str) -> Optional[dict[str, torch.Size]]:
     return {key: md.size for key, md in metadata.state_dict_metadata.items()}
 
 
-def _needs_conversion(model: nn.Module) -> Optional[str]:
+def _needs_conversion(model: nn.Module) -> str | None:
     """Name the reason the checkpoint's keys need transformers' own conversion, or None."""
     model = model.get_base_model() if is_peft_model(model) else model
     if not isinstance(model, PreTrainedModel):
@@ -275,7 +282,7 @@ def _needs_conversion(model: nn.Module) -> Optional[str]:
     return f"{type(model).__name__} needs weight conversions ({len(conversions)})" if conversions else None
 
 
-def choose_route(model: nn.Module) -> Optional[SafetensorsPlan]:
+def choose_route(model: nn.Module) -> SafetensorsPlan | None:
     """Return the plan for reading slices on every rank, or None to broadcast rank 0's weights.
 
     NOTE: every rank joins the same collective here, even when its own answer is already known, because
@@ -299,7 +306,7 @@ def choose_route(model: nn.Module) -> Optional[SafetensorsPlan]:
     return plan
 
 
-def load_sharded(model: nn.Module, shard: ShardFn, offload: bool = False) -> nn.Module:
+def load_pretrained(model: nn.Module, shard: ShardFn, offload: bool = False) -> nn.Module:
     """Shard `model` with `shard` and fill every rank's shards with the right weights; verify the result."""
     structure = Structure.of(model)
     plan = choose_route(model)
@@ -328,7 +335,7 @@ Rank0State = tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]
 
 def _rank0_state(model: nn.Module, rng: torch.Tensor) -> Rank0State:
     """On rank 0, the full state dict and all buffers that every rank will be given; empty elsewhere."""
-    problem: Optional[str] = None
+    problem: str | None = None
     state: Rank0State = ({}, {})
     if is_rank0():
         try:
@@ -340,9 +347,9 @@ def _rank0_state(model: nn.Module, rng: torch.Tensor) -> Rank0State:
     return state
 
 
-def _full_state_on_rank0(model: nn.Module) -> tuple[Rank0State, Optional[str]]:
+def _full_state_on_rank0(model: nn.Module) -> tuple[Rank0State, str | None]:
     """Read the whole model on rank 0, from its source path or from the object itself."""
-    source: Optional[PretrainedSource] = get_source(model)
+    source: PretrainedSource | None = get_source(model)
     if source is not None:
         real = source.auto_class.from_pretrained(source.path, **source.kwargs)
         if is_peft_model(model):

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from .config import FSDP2Config
 from .distributed import build_mesh, check_same_on_all_ranks, get_device, init_distributed, log_rank0
-from .loading import load_sharded
+from .loading import load_pretrained
 from .sharding import (
     mixed_precision_policy,
     reduce_scalar_gradients,
@@ -26,7 +26,6 @@ from .sharding import (
     shard_model,
     upcast_trainable,
 )
-
 
 SHARDING_ATTR = "_hf_fsdp2_sharding"
 # The FSDP2Config fields that decide how a model is sharded; the others (saving, export) may differ between
@@ -67,7 +66,7 @@ def prepare_model(model: nn.Module, config: FSDP2Config, bf16: bool = False, fp1
         upcast_trainable(skeleton, policy)
         shard_model(skeleton, mesh, config, policy, units)
 
-    model = load_sharded(model, shard, offload=config.cpu_offload)
+    model = load_pretrained(model, shard, offload=config.cpu_offload)
     reduce_scalar_gradients(model)
     setattr(model, SHARDING_ATTR, wanted)
     log_rank0(
@@ -97,7 +96,9 @@ def _reuse_sharded(model: nn.Module, wanted: dict[str, Any]) -> nn.Module:
             f"{type(model).__name__} was already sharded with fully_shard outside hf_fsdp2, so its precision, units "
             "and mesh are unknown here. Pass the unsharded model (FSDP2Trainer shards it itself)."
         )
-    conflicts = [f"{name}: {had.get(name)!r} then, {value!r} now" for name, value in wanted.items() if had.get(name) != value]
+    conflicts = [
+        f"{name}: {had.get(name)!r} then, {value!r} now" for name, value in wanted.items() if had.get(name) != value
+    ]
     if conflicts:
         raise ValueError(
             f"this {type(model).__name__} was already sharded by an earlier FSDP2Trainer with other settings ("
@@ -124,7 +125,9 @@ def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float) -> torch.Ten
         norms.append(torch.nn.utils.get_total_norm(sharded).full_tensor())
     if whole:
         norms.append(torch.nn.utils.get_total_norm(whole))
-    total = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
+    total = (
+        norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
+    )
     if math.isfinite(max_norm):
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for grad in grads:

@@ -34,7 +34,7 @@ def read_header(path: str) -> tuple[dict[str, Any], int]:
 
 def _rows_are_contiguous(shape: torch.Size, offsets: torch.Size, lengths: torch.Size) -> bool:
     """True when the requested block is a range of whole rows (FSDP2's dim-0 shards always are)."""
-    return all(o == 0 and n == s for o, n, s in zip(offsets[1:], lengths[1:], shape[1:]))
+    return all(o == 0 and n == s for o, n, s in zip(offsets[1:], lengths[1:], shape[1:], strict=True))
 
 
 def _pread_into(fd: int, buffer: torch.Tensor, offset: int) -> None:
@@ -67,7 +67,9 @@ class SliceReader(HuggingFaceStorageReader):
         future.set_result(None)
         return future
 
-    def _read_item(self, fd: int, header: dict[str, Any], data_start: int, item: ReadItem, planner: LoadPlanner) -> None:
+    def _read_item(
+        self, fd: int, header: dict[str, Any], data_start: int, item: ReadItem, planner: LoadPlanner
+    ) -> None:
         """Copy one planned block of one tensor into its destination."""
         info = self.storage_data[item.storage_index]
         entry = header[item.storage_index.fqn]
@@ -78,7 +80,7 @@ class SliceReader(HuggingFaceStorageReader):
             from safetensors import safe_open
 
             with safe_open(info.relative_path, framework="pt") as f:
-                slices = tuple(slice(o, o + n) for o, n in zip(item.storage_offsets, item.lengths))
+                slices = tuple(slice(o, o + n) for o, n in zip(item.storage_offsets, item.lengths, strict=True))
                 target.copy_(f.get_slice(item.storage_index.fqn)[slices])
         else:
             row_bytes = math.prod(shape[1:]) * info.dtype.itemsize

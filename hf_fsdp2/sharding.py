@@ -6,7 +6,7 @@ It works on meta or real tensors alike and never reads weights or touches the Tr
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -188,7 +188,7 @@ def shard_model(
     mesh: DeviceMesh,
     config: FSDP2Config,
     policy: MixedPrecisionPolicy,
-    units: Optional[list[nn.Module]] = None,
+    units: list[nn.Module] | None = None,
 ) -> nn.Module:
     """Apply activation checkpointing, then compile, then `fully_shard` to each unit and the root."""
     units = select_units(model, config) if units is None else units
@@ -259,4 +259,3 @@ def reshard_all(model: nn.Module) -> None:
     """Put every unit back to its sharded parameters (a no_grad forward leaves the root gathered)."""
     for module in fsdp_modules(model):
         module.reshard()
-

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -28,7 +28,7 @@ class PretrainedSource:
     kwargs: dict[str, Any] = field(default_factory=dict)
     # The CPU RNG state when the skeleton was built: weights the checkpoint lacks (and PEFT adapters added
     # afterwards) are initialized from it, drawing the same numbers as a real from_pretrained at that point.
-    rng_state: Optional[torch.Tensor] = None
+    rng_state: torch.Tensor | None = None
 
 
 def from_pretrained(path: str | os.PathLike, auto_class: Any = AutoModelForCausalLM, **kwargs: Any) -> nn.Module:
@@ -61,7 +61,7 @@ def build_skeleton(path: str, auto_class: Any, kwargs: dict[str, Any]) -> nn.Mod
         return auto_class.from_config(config, dtype=dtype, **model_kwargs)
 
 
-def get_source(model: nn.Module) -> Optional[PretrainedSource]:
+def get_source(model: nn.Module) -> PretrainedSource | None:
     """Return where a skeleton built by `from_pretrained` reads its weights, or None for a model object."""
     return getattr(model, SOURCE_ATTR, None)
 
@@ -99,7 +99,7 @@ def move_to_meta(model: nn.Module) -> None:
     retie(model, groups)
 
 
-def first_meta_tensor(model: nn.Module) -> Optional[str]:
+def first_meta_tensor(model: nn.Module) -> str | None:
     """Name the first parameter or buffer still on the meta device, or None."""
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         if tensor.is_meta or (hasattr(tensor, "to_local") and tensor.to_local().is_meta):
@@ -115,7 +115,7 @@ class Structure:
     num_params: int
 
     @classmethod
-    def of(cls, model: nn.Module) -> "Structure":
+    def of(cls, model: nn.Module) -> Structure:
         """Record the structure of `model` as it is now."""
         return cls(tie_groups(model), len(list(model.parameters())))
 

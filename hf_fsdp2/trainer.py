@@ -38,7 +38,8 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
-from typing import Any, Callable, Iterator, Optional
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -56,8 +57,8 @@ from .checkpoint import (
     AsyncSaver,
     begin_checkpoint,
     commit_checkpoint,
-    load_sharded_model,
-    load_sharded_optimizer,
+    resume_model,
+    resume_optimizer,
     save_sharded,
 )
 from .config import FSDP2Config
@@ -76,7 +77,7 @@ class FSDP2Mixin:
     A path becomes a meta skeleton first, so no rank ever loads the whole model.
     """
 
-    def __init__(self, *trainer_args: Any, fsdp2_config: Optional[FSDP2Config] = None, **trainer_kwargs: Any) -> None:
+    def __init__(self, *trainer_args: Any, fsdp2_config: FSDP2Config | None = None, **trainer_kwargs: Any) -> None:
         self.fsdp2_config = fsdp2_config if fsdp2_config is not None else FSDP2Config()
         # The next class's own signature says which argument is the model (DPOTrainer's second is ref_model).
         bound = _bind(super().__init__, trainer_args, trainer_kwargs)
@@ -86,8 +87,8 @@ class FSDP2Mixin:
         if isinstance(model, (str, os.PathLike)):
             bound.arguments["model"] = self._skeleton(model, args)
         self._original_names: dict[int, str] = {}
-        self._async_saver: Optional[AsyncSaver] = None
-        self._pending_save: Optional[tuple[list[Any], str, str, str]] = None
+        self._async_saver: AsyncSaver | None = None
+        self._pending_save: tuple[list[Any], str, str, str] | None = None
         super().__init__(*bound.args, **bound.kwargs)
         self.is_distributed_loading_by_transformers = True
         if not _loss_uses_num_items(self.model):
@@ -100,7 +101,7 @@ class FSDP2Mixin:
             self.add_callback(_consolidate_callback(self.fsdp2_config))
 
     @staticmethod
-    def _skeleton(path: str | os.PathLike, args: Optional[TrainingArguments]) -> nn.Module:
+    def _skeleton(path: str | os.PathLike, args: TrainingArguments | None) -> nn.Module:
         """The meta skeleton of a model path, built right after seeding as a single process would load it.
 
         A TrainingArguments subclass that carries `model_init_kwargs` (TRL's configs) loads paths with them,
@@ -178,11 +179,11 @@ class FSDP2Mixin:
         """Clip by the global norm over every rank's gradient shards."""
         return clip_grad_norm(list(model.parameters()), self.args.max_grad_norm)
 
-    def _get_grad_norm(self, model: nn.Module, grad_norm: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def _get_grad_norm(self, model: nn.Module, grad_norm: torch.Tensor | None = None) -> torch.Tensor:
         """Report the global gradient norm (measured without clipping when clipping is off)."""
         return grad_norm if grad_norm is not None else clip_grad_norm(list(model.parameters()), float("inf"))
 
-    def create_optimizer(self, model: Optional[nn.Module] = None) -> torch.optim.Optimizer:
+    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         """Build the optimizer over the sharded parameters (reshard first: see module docstring)."""
         reshard_all(self.model)
         return super().create_optimizer(model)
@@ -265,7 +266,7 @@ class FSDP2Mixin:
             self._async_saver = None
         return super()._finalize_training(trial, num_train_samples, start_time)
 
-    def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Write a from_pretrained-ready folder (weights gathered one tensor at a time, config, tokenizer)."""
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         save_pretrained_sharded(
@@ -281,18 +282,18 @@ class FSDP2Mixin:
 
     # ---- resume ----------------------------------------------------------------------------------------
 
-    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Optional[nn.Module] = None) -> None:
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         """Load the sharded model (a PEFT model: its adapters) from checkpoint-N, whatever world size wrote it."""
         if self._peft:
             load_adapter(self.model, resume_from_checkpoint)
         else:
-            load_sharded_model(self.model, resume_from_checkpoint)
+            resume_model(self.model, resume_from_checkpoint)
 
-    def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         """Restore optimizer (DCP, resharded) and scheduler state."""
         if checkpoint is None:
             return
-        load_sharded_optimizer(self.model, _unwrap_optimizer(self.optimizer), checkpoint)
+        resume_optimizer(self.model, _unwrap_optimizer(self.optimizer), checkpoint)
         scheduler_file = os.path.join(checkpoint, SCHEDULER_NAME)
         if self.lr_scheduler is not None and os.path.isfile(scheduler_file):
             self.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
@@ -312,14 +313,16 @@ _NO_INIT_KWARGS = object()
 _PLACEMENT_KWARGS = ("device_map",)
 
 
-def _sharding_extra_models(accelerate_prepare: Callable[..., nn.Module], trainer: FSDP2Mixin) -> Callable[..., nn.Module]:
+def _sharding_extra_models(
+    accelerate_prepare: Callable[..., nn.Module], trainer: FSDP2Mixin
+) -> Callable[..., nn.Module]:
     """Wrap `Accelerator.prepare_model` so a subclass's extra model (DPO's reference) is sharded, not replicated.
 
     Trainer itself prepares its own (already sharded) model through it; any other model prepared for
     evaluation is frozen and sharded like the trained one (a frozen root reshards after every forward).
     """
 
-    def prepare(model: nn.Module, device_placement: Optional[bool] = None, evaluation_mode: bool = False) -> nn.Module:
+    def prepare(model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False) -> nn.Module:
         if evaluation_mode and model is not trainer.model and not isinstance(model, FSDPModule):
             model.requires_grad_(False)
             return prepare_model(model, trainer.fsdp2_config, bf16=trainer.args.bf16).eval()

@@ -10,9 +10,7 @@ from __future__ import annotations
 try:
     from trl import DPOTrainer, SFTTrainer
 except ImportError as error:  # pragma: no cover - depends on the environment
-    raise ImportError(
-        "hf_fsdp2.trl needs TRL, which is an optional extra: pip install 'hf_fsdp2[trl]'"
-    ) from error
+    raise ImportError("hf_fsdp2.trl needs TRL, which is an optional extra: pip install 'hf_fsdp2[trl]'") from error
 
 from .trainer import FSDP2Mixin
 

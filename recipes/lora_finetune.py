@@ -18,8 +18,8 @@ import sys
 from transformers import TrainingArguments
 
 from hf_fsdp2 import FSDP2Config
-from hf_fsdp2.recipe_args import parse_recipe_args
-from hf_fsdp2.sft_job import LoraArguments, SFTArguments, run_sft
+from hf_fsdp2.jobs.args import parse_recipe_args
+from hf_fsdp2.jobs.sft import LoraArguments, SFTArguments, run_sft
 
 
 def main() -> None:

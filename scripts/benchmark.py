@@ -53,12 +53,15 @@ NOTES = {
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command line of the driver (the worker reuses the same options)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true",
-                        help="2 repeats of 5 steps of 64-token sequences (under 10 min on 2 CPU cores)")
+    parser.add_argument(
+        "--quick", action="store_true", help="2 repeats of 5 steps of 64-token sequences (under 10 min on 2 CPU cores)"
+    )
     parser.add_argument("--nproc", type=int, default=2, help="ranks per run (torchrun --nproc_per_node)")
     parser.add_argument("--repeats", type=int, default=None, help="runs per system (default 3, --quick 2)")
     parser.add_argument("--steps", type=int, default=None, help="training steps per run (default 16, --quick 5)")
-    parser.add_argument("--warmup", type=int, default=None, help="first steps left out of step time (default 2, --quick 1)")
+    parser.add_argument(
+        "--warmup", type=int, default=None, help="first steps left out of step time (default 2, --quick 1)"
+    )
     parser.add_argument("--batch", type=int, default=1, help="per-device batch size")
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 128, --quick 64)")
     parser.add_argument("--layers", type=int, default=12, help="12 layers of hidden 768 = 97M parameters")
@@ -70,7 +73,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", default=None, help="write every figure (per run, per rank) here")
     parser.add_argument("--markdown", default=None, help="also write the table here")
     parser.add_argument("--png", default=None, help="write a bar chart of the ratios here")
-    parser.add_argument("--from-json", default=None, help="re-render the tables and chart of a --json file, run nothing")
+    parser.add_argument(
+        "--from-json", default=None, help="re-render the tables and chart of a --json file, run nothing"
+    )
     for hidden in ("--worker", "--system", "--model-path", "--run-dir", "--result", "--checkpoint", "--output"):
         parser.add_argument(hidden, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--samples", type=int, default=None, help=argparse.SUPPRESS)
@@ -98,8 +103,20 @@ def _run(command: list[str], result: str) -> dict:
 
 def _worker_options(args: argparse.Namespace) -> list[str]:
     """Options every worker needs to build the same run as the others."""
-    options = ["--steps", str(args.steps), "--batch", str(args.batch), "--seq-len", str(args.seq_len),
-               "--vocab", str(args.vocab), "--samples", str(args.samples), "--warmup", str(args.warmup)]
+    options = [
+        "--steps",
+        str(args.steps),
+        "--batch",
+        str(args.batch),
+        "--seq-len",
+        str(args.seq_len),
+        "--vocab",
+        str(args.vocab),
+        "--samples",
+        str(args.samples),
+        "--warmup",
+        str(args.warmup),
+    ]
     return options + ([] if args.resume else ["--no-resume"])
 
 
@@ -108,9 +125,25 @@ def run_training(args: argparse.Namespace, system: str, model_path: str, tag: st
     run_dir = os.path.join(args.workdir, f"run-{system}")
     shutil.rmtree(run_dir, ignore_errors=True)
     result = os.path.join(args.workdir, f"result-{system}-{tag}.json")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-               os.path.abspath(__file__), "--worker", "train", "--system", system, "--model-path", model_path,
-               "--run-dir", run_dir, "--result", result, *_worker_options(args)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={args.nproc}",
+        os.path.abspath(__file__),
+        "--worker",
+        "train",
+        "--system",
+        system,
+        "--model-path",
+        model_path,
+        "--run-dir",
+        run_dir,
+        "--result",
+        result,
+        *_worker_options(args),
+    ]
     if system in NO_RESUME:
         command.append("--no-resume")
     return _run(command, result)
@@ -124,8 +157,20 @@ def run_consolidation(args: argparse.Namespace, system: str, checkpoint: str, ta
     # to be paid for by whichever tool runs next.
     os.sync()
     result = os.path.join(args.workdir, f"consolidate-{system}-{tag}.json")
-    command = [sys.executable, os.path.abspath(__file__), "--worker", "consolidate", "--system", system,
-               "--checkpoint", checkpoint, "--output", output, "--result", result]
+    command = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--worker",
+        "consolidate",
+        "--system",
+        system,
+        "--checkpoint",
+        checkpoint,
+        "--output",
+        output,
+        "--result",
+        result,
+    ]
     return _run(command, result)
 
 
@@ -145,8 +190,13 @@ def main() -> None:
     if args.from_json:
         with open(args.from_json) as f:
             saved = json.load(f)
-        return report(saved["runs"], argparse.Namespace(**saved["args"]), saved["summary"]["model_bytes"],
-                      saved["summary"]["wall_s"], argparse.Namespace(**{**vars(args), "json": None}))
+        return report(
+            saved["runs"],
+            argparse.Namespace(**saved["args"]),
+            saved["summary"]["model_bytes"],
+            saved["summary"]["wall_s"],
+            argparse.Namespace(**{**vars(args), "json": None}),
+        )
     os.makedirs(args.workdir, exist_ok=True)
     model_path = os.path.join(args.workdir, f"llama-{args.layers}l-{args.hidden}h-{args.vocab}v-tied")
     model_bytes = build_model(model_path, args.layers, hidden=args.hidden, vocab=args.vocab, tied=True)
@@ -154,7 +204,7 @@ def main() -> None:
     runs: dict[str, list[dict]] = {system: [] for system in systems}
     started = time.perf_counter()
     for repeat in range(args.repeats):
-        order = systems[repeat % len(systems):] + systems[: repeat % len(systems)]
+        order = systems[repeat % len(systems) :] + systems[: repeat % len(systems)]
         for system in order:
             tag = f"r{repeat}"
             print(f"[{time.perf_counter() - started:6.0f} s] repeat {repeat + 1}/{args.repeats}: {system}", flush=True)
@@ -165,8 +215,9 @@ def main() -> None:
     report(runs, args, model_bytes, time.perf_counter() - started, args)
 
 
-def report(runs: dict[str, list[dict]], args: argparse.Namespace, model_bytes: int, wall_s: float,
-           outputs: argparse.Namespace) -> None:
+def report(
+    runs: dict[str, list[dict]], args: argparse.Namespace, model_bytes: int, wall_s: float, outputs: argparse.Namespace
+) -> None:
     """Summarize the runs, print the tables and write the files `outputs` asks for."""
     summary = summarize(runs, args, model_bytes)
     summary["wall_s"] = wall_s

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from typing import Optional
 
 REFERENCE = "accelerate_fsdp2"
 MIB = 2**20
@@ -31,10 +30,10 @@ METRICS = (
 )
 
 
-def _run_figures(run: dict, args: argparse.Namespace, flops_per_token: float, peak_flops: Optional[float]) -> dict:
+def _run_figures(run: dict, args: argparse.Namespace, flops_per_token: float, peak_flops: float | None) -> dict:
     """The figures of one run; per-rank values reduced to the slowest/largest rank."""
     ranks = run["ranks"]
-    step = max(statistics.median(r["step_s"][args.warmup:] or r["step_s"]) for r in ranks)
+    step = max(statistics.median(r["step_s"][args.warmup :] or r["step_s"]) for r in ranks)
     tokens = args.batch * args.nproc * args.seq_len
     figures = {
         "load_s": max(r["load_s"] for r in ranks),
@@ -42,7 +41,7 @@ def _run_figures(run: dict, args: argparse.Namespace, flops_per_token: float, pe
         "step_s": step,
         "tokens_per_s": tokens / step,
         "train_peak_mib": max(r["train_peak_mib"] for r in ranks),
-        "save_s": statistics.median(max(saves) for saves in zip(*(r["save_s"] for r in ranks))),
+        "save_s": statistics.median(max(saves) for saves in zip(*(r["save_s"] for r in ranks), strict=True)),
         "checkpoint_mib": run["checkpoint_bytes"] / MIB,
         "final_loss": ranks[0]["final_loss"],
         "per_rank": [{"load_peak_mib": r["load_peak_mib"], "train_peak_mib": r["train_peak_mib"]} for r in ranks],
@@ -68,7 +67,7 @@ def flops_per_token(args: argparse.Namespace) -> float:
     return 6 * matmul_params + 12 * layers * h * args.seq_len
 
 
-def peak_bf16_flops() -> Optional[float]:
+def peak_bf16_flops() -> float | None:
     """Dense bf16 peak of this machine's GPU, when it is one we know; None on CPU."""
     import torch
 
@@ -85,7 +84,9 @@ def _spread(values: list[float]) -> dict:
 def summarize(runs: dict[str, list[dict]], args: argparse.Namespace, model_bytes: int) -> dict:
     """Medians and spreads per system and metric, loss agreement, and the targets."""
     fpt, peak = flops_per_token(args), peak_bf16_flops()
-    figures = {system: [_run_figures(run, args, fpt, peak) for run in system_runs] for system, system_runs in runs.items()}
+    figures = {
+        system: [_run_figures(run, args, fpt, peak) for run in system_runs] for system, system_runs in runs.items()
+    }
     systems: dict[str, dict] = {}
     for system, per_run in figures.items():
         systems[system] = {key: _spread([f[key] for f in per_run]) for key, *_ in METRICS if key in per_run[0]}
@@ -93,9 +94,16 @@ def summarize(runs: dict[str, list[dict]], args: argparse.Namespace, model_bytes
         systems[system]["loss_after_resume"] = [f.get("loss_after_resume") for f in per_run]
         systems[system]["per_rank"] = [f["per_rank"] for f in per_run]
     summary = {
-        "model_bytes": model_bytes, "nproc": args.nproc, "repeats": args.repeats, "steps": args.steps,
-        "warmup": args.warmup, "tokens_per_step": args.batch * args.nproc * args.seq_len,
-        "seq_len": args.seq_len, "systems": systems, "flops_per_token": fpt, "peak_flops": peak,
+        "model_bytes": model_bytes,
+        "nproc": args.nproc,
+        "repeats": args.repeats,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "tokens_per_step": args.batch * args.nproc * args.seq_len,
+        "seq_len": args.seq_len,
+        "systems": systems,
+        "flops_per_token": fpt,
+        "peak_flops": peak,
     }
     # Ratios are against Trainer + Accelerate's FSDP2 when it ran, else against the first system.
     summary["reference"] = REFERENCE if REFERENCE in systems else next(iter(systems))
@@ -108,11 +116,14 @@ def _loss_agreement(systems: dict[str, dict]) -> dict:
     """Largest difference of any run's final loss from the DDP reference (or the first system)."""
     reference = "ddp" if "ddp" in systems else next(iter(systems))
     ref = statistics.median(systems[reference]["final_loss"])
-    return {"reference": reference, "reference_loss": ref,
-            "max_abs_diff": {s: max(abs(x - ref) for x in v["final_loss"]) for s, v in systems.items()}}
+    return {
+        "reference": reference,
+        "reference_loss": ref,
+        "max_abs_diff": {s: max(abs(x - ref) for x in v["final_loss"]) for s, v in systems.items()},
+    }
 
 
-def _median(systems: dict[str, dict], system: str, key: str) -> Optional[float]:
+def _median(systems: dict[str, dict], system: str, key: str) -> float | None:
     return systems.get(system, {}).get(key, {}).get("median")
 
 
@@ -121,26 +132,40 @@ def _targets(systems: dict[str, dict], model_bytes: int) -> list[dict]:
     model_mib = model_bytes / MIB
     ours, ref = "hf_fsdp2", REFERENCE
 
-    def ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    def ratio(a: float | None, b: float | None) -> float | None:
         return a / b if a is not None and b else None
 
     rows = [
         ("peak load RAM, worst rank ≤ 0.6× model", ratio(_median(systems, ours, "load_peak_mib"), model_mib), 0.6),
-        ("training step time ≤ 1.0× accelerate_fsdp2",
-         ratio(_median(systems, ours, "step_s"), _median(systems, ref, "step_s")), 1.0),
-        ("checkpoint bytes ≤ accelerate_fsdp2's",
-         ratio(_median(systems, ours, "checkpoint_mib"), _median(systems, ref, "checkpoint_mib")), 1.0),
-        ("blocked save time with async_save ≤ 0.3× sync",
-         ratio(_median(systems, "hf_fsdp2_async", "save_s"), _median(systems, ours, "save_s")), 0.3),
+        (
+            "training step time ≤ 1.0× accelerate_fsdp2",
+            ratio(_median(systems, ours, "step_s"), _median(systems, ref, "step_s")),
+            1.0,
+        ),
+        (
+            "checkpoint bytes ≤ accelerate_fsdp2's",
+            ratio(_median(systems, ours, "checkpoint_mib"), _median(systems, ref, "checkpoint_mib")),
+            1.0,
+        ),
+        (
+            "blocked save time with async_save ≤ 0.3× sync",
+            ratio(_median(systems, "hf_fsdp2_async", "save_s"), _median(systems, ours, "save_s")),
+            0.3,
+        ),
         ("consolidation peak RAM ≤ 0.3× model", ratio(_median(systems, ours, "consolidate_peak_mib"), model_mib), 0.3),
-        ("consolidation time ≤ accelerate merge-weights",
-         ratio(_median(systems, ours, "consolidate_s"), _median(systems, ref, "consolidate_s")), 1.0),
+        (
+            "consolidation time ≤ accelerate merge-weights",
+            ratio(_median(systems, ours, "consolidate_s"), _median(systems, ref, "consolidate_s")),
+            1.0,
+        ),
     ]
-    return [{"target": name, "measured": value, "limit": limit, "met": None if value is None else value <= limit}
-            for name, value, limit in rows]
+    return [
+        {"target": name, "measured": value, "limit": limit, "met": None if value is None else value <= limit}
+        for name, value, limit in rows
+    ]
 
 
-def _cell(stats: dict, reference: Optional[dict], digits: int) -> str:
+def _cell(stats: dict, reference: dict | None, digits: int) -> str:
     text = f"{stats['median']:.{digits}f}"
     if stats["n"] > 1:
         text += f" ({stats['min']:.{digits}f}–{stats['max']:.{digits}f})"
@@ -165,19 +190,29 @@ def render_markdown(summary: dict) -> str:
         if not any(key in systems[s] for s in names):
             continue
         digits = 0 if unit in ("MiB", "tokens/s") else 2
-        cells = [_cell(systems[s][key], systems[reference].get(key), digits) if key in systems[s] else "–"
-                 for s in names]
+        cells = [
+            _cell(systems[s][key], systems[reference].get(key), digits) if key in systems[s] else "–" for s in names
+        ]
         lines.append(f"| {label} ({unit}) | " + " | ".join(cells) + " |")
     agreement = summary["loss_agreement"]
-    lines += ["", f"Final training loss (reference {agreement['reference']}: {agreement['reference_loss']:.6f}):", "",
-              "| system | final loss per run | largest difference from the reference | loss of the step after resume |",
-              "|---|---|---:|---|"]
+    lines += [
+        "",
+        f"Final training loss (reference {agreement['reference']}: {agreement['reference_loss']:.6f}):",
+        "",
+        "| system | final loss per run | largest difference from the reference | loss of the step after resume |",
+        "|---|---|---:|---|",
+    ]
     for s in names:
         losses = ", ".join(f"{x:.6f}" for x in systems[s]["final_loss"])
         resumed = ", ".join(f"{x:.6f}" for x in systems[s]["loss_after_resume"] if x is not None) or "–"
         lines.append(f"| {s} | {losses} | {agreement['max_abs_diff'][s]:.2e} | {resumed} |")
-    lines += ["", "Peak host RAM per rank, median over runs (MiB; × model size):", "",
-              "| system | rank | load | training |", "|---|---:|---:|---:|"]
+    lines += [
+        "",
+        "Peak host RAM per rank, median over runs (MiB; × model size):",
+        "",
+        "| system | rank | load | training |",
+        "|---|---:|---:|---:|",
+    ]
     model_mib = summary["model_bytes"] / MIB
     for s in names:
         per_run = systems[s]["per_rank"]
@@ -197,7 +232,7 @@ def render_markdown(summary: dict) -> str:
 
 def render_png(summary: dict, path: str) -> None:
     """A bar chart, one panel per metric, of each system's median relative to the reference (line at 1)."""
-    from hf_fsdp2.plot import bar_chart_png
+    from hf_fsdp2.jobs.charts import bar_chart_png
 
     systems, reference = summary["systems"], summary["reference"]
     panels: dict[str, dict[str, float]] = {}
@@ -205,5 +240,7 @@ def render_png(summary: dict, path: str) -> None:
         ref = systems[reference].get(key)
         if not ref or not ref["median"]:
             continue
-        panels[f"{label} ({unit}), ratio to {reference}"] = {s: v[key]["median"] / ref["median"] for s, v in systems.items() if key in v}
+        panels[f"{label} ({unit}), ratio to {reference}"] = {
+            s: v[key]["median"] / ref["median"] for s, v in systems.items() if key in v
+        }
     bar_chart_png(panels, path, reference=1.0)

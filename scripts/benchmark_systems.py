@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 # Every system's imports happen here, before the worker's after-imports memory baseline.
 import torch
@@ -110,7 +111,9 @@ class AccelerateFSDP2Trainer(Trainer):
         finally:
             trainer_module.Accelerator = Accelerator
         if not self.accelerator.is_fsdp2:
-            raise RuntimeError(f"Accelerate is not running FSDP2 (distributed type {self.accelerator.distributed_type}).")
+            raise RuntimeError(
+                f"Accelerate is not running FSDP2 (distributed type {self.accelerator.distributed_type})."
+            )
 
 
 FORCED: list[str] = []

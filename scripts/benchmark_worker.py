@@ -10,7 +10,8 @@ import gc
 import json
 import os
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from measure_load_memory import vm_kib
 
@@ -98,10 +99,9 @@ def folder_bytes(path: str) -> int:
 def train_worker(args: argparse.Namespace) -> None:
     """Load, train `steps` steps saving every `save_steps`, then resume from the last checkpoint."""
     import torch.distributed as dist
-
+    from benchmark_systems import FORCED, build_trainer, random_tokens
     from torch.distributed.tensor import DTensor
 
-    from benchmark_systems import FORCED, build_trainer, random_tokens
     from hf_fsdp2 import close_distributed
 
     baseline = vm_kib("VmHWM")  # after the imports every system shares (torch, transformers, accelerate)
@@ -125,8 +125,9 @@ def train_worker(args: argparse.Namespace) -> None:
 
     if args.resume:
         resumed: dict[str, Any] = {"step_s": [], "losses": [], "save_s": [], "resume_s": []}
-        trainer = build_trainer(args.system, args, data, [make_probe(baseline, time.perf_counter(), resumed)],
-                                resume=True)
+        trainer = build_trainer(
+            args.system, args, data, [make_probe(baseline, time.perf_counter(), resumed)], resume=True
+        )
         for name in ("_load_from_checkpoint", "_load_optimizer_and_scheduler", "_load_rng_state"):
             setattr(trainer, name, _timed(record["resume_s"], getattr(trainer, name)))
         trainer.train(resume_from_checkpoint=checkpoint)

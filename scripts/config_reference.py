@@ -1,7 +1,7 @@
 """Print the FSDP2Config reference table (markdown) from the dataclass's own help text.
 
-    python scripts/config_reference.py            # print the table
-    python scripts/config_reference.py --check README.md   # exit 1 if README's table is stale
+python scripts/config_reference.py            # print the table
+python scripts/config_reference.py --check README.md   # exit 1 if README's table is stale
 """
 
 from __future__ import annotations

@@ -20,7 +20,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchmark_worker import consolidate_worker as timed_consolidation, folder_bytes  # noqa: E402
+from benchmark_worker import consolidate_worker as timed_consolidation  # noqa: E402
+from benchmark_worker import folder_bytes
 from measure_load_memory import MIB, build_model, vm_kib  # noqa: E402
 
 
@@ -37,8 +38,14 @@ def train_worker(args: argparse.Namespace) -> None:
     ids = torch.randint(0, 16000, (64, 64), generator=torch.Generator().manual_seed(0)).tolist()
     data = Dataset.from_dict({"input_ids": ids, "labels": ids})
     targs = TrainingArguments(
-        output_dir=args.run_dir, per_device_train_batch_size=1, max_steps=args.saves, save_steps=1,
-        report_to=[], use_cpu=True, disable_tqdm=True, logging_steps=1000,
+        output_dir=args.run_dir,
+        per_device_train_batch_size=1,
+        max_steps=args.saves,
+        save_steps=1,
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        logging_steps=1000,
     )
     config = FSDP2Config(async_save=args.mode == "async", consolidate_on_train_end=False)
     model = args.model_path
@@ -106,9 +113,26 @@ def main() -> None:
         run_dir = os.path.join(args.workdir, f"ckpt-{mode}")
         shutil.rmtree(run_dir, ignore_errors=True)
         result = os.path.join(args.workdir, f"save-{mode}.json")
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}", me,
-                   "--worker", "train", "--mode", mode, "--model-path", model_path, "--run-dir", run_dir,
-                   "--result", result, "--saves", str(args.saves)]
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={args.nproc}",
+            me,
+            "--worker",
+            "train",
+            "--mode",
+            mode,
+            "--model-path",
+            model_path,
+            "--run-dir",
+            run_dir,
+            "--result",
+            result,
+            "--saves",
+            str(args.saves),
+        ]
         row = run_json(command, result)
         row["checkpoint_bytes"] = folder_bytes(os.path.join(run_dir, f"checkpoint-{args.saves}"))
         report["saves"][mode] = row
@@ -117,18 +141,33 @@ def main() -> None:
         output = os.path.join(args.workdir, f"consolidated-{tool}")
         shutil.rmtree(output, ignore_errors=True)
         result = os.path.join(args.workdir, f"consolidate-{tool}.json")
-        command = [sys.executable, me, "--worker", "consolidate", "--tool", tool, "--checkpoint", checkpoint,
-                   "--output", output, "--result", result]
+        command = [
+            sys.executable,
+            me,
+            "--worker",
+            "consolidate",
+            "--tool",
+            tool,
+            "--checkpoint",
+            checkpoint,
+            "--output",
+            output,
+            "--result",
+            result,
+        ]
         report["consolidate"][tool] = run_json(command, result)
 
     print(f"model: {model_bytes / MIB:.0f} MiB ({model_bytes / 4 / 1e6:.0f}M fp32 parameters), {args.nproc} ranks")
-    print("| save mode | blocked per save, median (min–max) s | checkpoint on disk (MiB) | × model | peak RAM per rank (MiB) |")
+    columns = ("save mode", "blocked per save, median (min–max) s", "checkpoint on disk (MiB)", "× model")
+    print("| " + " | ".join(columns) + " | peak RAM per rank (MiB) |")
     print("|---|---:|---:|---:|---:|")
     for mode, row in report["saves"].items():
         b, size = row["blocked_s"], row["checkpoint_bytes"]
         peak = max(row["peak_mib_per_rank"])
-        print(f"| {mode} | {statistics.median(b):.2f} ({min(b):.2f}–{max(b):.2f}) | {size / MIB:.1f} | "
-              f"{size / model_bytes:.3f} | {peak:.0f} |")
+        print(
+            f"| {mode} | {statistics.median(b):.2f} ({min(b):.2f}–{max(b):.2f}) | {size / MIB:.1f} | "
+            f"{size / model_bytes:.3f} | {peak:.0f} |"
+        )
     sync, asyn = (statistics.median(report["saves"][m]["blocked_s"]) for m in ("sync", "async"))
     print(f"async / sync blocked time: {asyn / sync:.2f}")
     print("| consolidation | peak RAM above imports (MiB) | × model size | time (s) |")

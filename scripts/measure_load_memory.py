@@ -91,9 +91,13 @@ def dist_rank() -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--route", choices=["path", "rank0", "lora"], default="path",
-                        help="path: each rank reads its slices; rank0: rank 0 loads and broadcasts; "
-                        "lora: path + peft LoRA (r=16, q/k/v/o) on the skeleton")
+    parser.add_argument(
+        "--route",
+        choices=["path", "rank0", "lora"],
+        default="path",
+        help="path: each rank reads its slices; rank0: rank 0 loads and broadcasts; "
+        "lora: path + peft LoRA (r=16, q/k/v/o) on the skeleton",
+    )
     parser.add_argument("--layers", type=int, default=12, help="12 layers = 110M parameters")
     parser.add_argument("--workdir", default="/tmp/hf_fsdp2_memory")
     parser.add_argument("--json", default=None, help="also write the table as JSON here")
@@ -108,15 +112,29 @@ def main() -> None:
     model_bytes = build_model(model_path, args.layers)
     result = os.path.join(args.workdir, f"result-{args.route}-{args.nproc}.json")
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-        os.path.abspath(__file__), "--worker", "--route", args.route, "--workdir", args.workdir,
-        "--model-path", model_path, "--result", result,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={args.nproc}",
+        os.path.abspath(__file__),
+        "--worker",
+        "--route",
+        args.route,
+        "--workdir",
+        args.workdir,
+        "--model-path",
+        model_path,
+        "--result",
+        result,
     ]
     subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     with open(result) as f:
         rows = json.load(f)
-    print(f"model: {model_bytes / MIB:.0f} MiB ({model_bytes / 4 / 1e6:.0f}M fp32 parameters), "
-          f"{args.nproc} ranks, route={args.route}")
+    print(
+        f"model: {model_bytes / MIB:.0f} MiB ({model_bytes / 4 / 1e6:.0f}M fp32 parameters), "
+        f"{args.nproc} ranks, route={args.route}"
+    )
     print("| rank | peak RAM above baseline (MiB) | × model size | load time (s) |")
     print("|---:|---:|---:|---:|")
     for row in rows:
@@ -125,7 +143,9 @@ def main() -> None:
         print(f"| {row['rank']} | {row['peak_above_baseline_mib']:.0f} | {ratio:.2f} | {row['load_s']:.1f} |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model_bytes": model_bytes, "nproc": args.nproc, "route": args.route, "ranks": rows}, f, indent=2)
+            json.dump(
+                {"model_bytes": model_bytes, "nproc": args.nproc, "route": args.route, "ranks": rows}, f, indent=2
+            )
 
 
 if __name__ == "__main__":

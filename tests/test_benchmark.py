@@ -25,9 +25,29 @@ FSDP_SYSTEMS = ("hf_fsdp2", "hf_fsdp2_async", "accelerate_fsdp2", "transformers_
 def test_quick_benchmark_runs_every_system_and_they_train_the_same(tmp_path):
     out = tmp_path / "bench"
     command = [
-        sys.executable, os.path.join(SCRIPTS, "benchmark.py"), "--quick", "--repeats", "1", "--steps", "4",
-        "--layers", "1", "--hidden", "64", "--vocab", "128", "--seq-len", "16", "--workdir", str(tmp_path / "work"),
-        "--json", f"{out}.json", "--png", f"{out}.png", "--markdown", f"{out}.md",
+        sys.executable,
+        os.path.join(SCRIPTS, "benchmark.py"),
+        "--quick",
+        "--repeats",
+        "1",
+        "--steps",
+        "4",
+        "--layers",
+        "1",
+        "--hidden",
+        "64",
+        "--vocab",
+        "128",
+        "--seq-len",
+        "16",
+        "--workdir",
+        str(tmp_path / "work"),
+        "--json",
+        f"{out}.json",
+        "--png",
+        f"{out}.png",
+        "--markdown",
+        f"{out}.md",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     proc = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
@@ -45,7 +65,10 @@ def test_quick_benchmark_runs_every_system_and_they_train_the_same(tmp_path):
     # On a machine without accelerators the harness must have forced Accelerate's FSDP2 path, and say so.
     assert "forced its FSDP2 plugin" in summary["systems"]["accelerate_fsdp2"]["notes"]
     # Tied embedding written once: our checkpoint is no larger than Accelerate's.
-    assert summary["systems"]["hf_fsdp2"]["checkpoint_mib"]["median"] <= summary["systems"]["accelerate_fsdp2"]["checkpoint_mib"]["median"]
+    assert (
+        summary["systems"]["hf_fsdp2"]["checkpoint_mib"]["median"]
+        <= summary["systems"]["accelerate_fsdp2"]["checkpoint_mib"]["median"]
+    )
     for key in ("load_s", "load_peak_mib", "step_s", "save_s", "resume_s", "consolidate_s", "consolidate_peak_mib"):
         assert summary["systems"]["hf_fsdp2"][key]["median"] > 0, key
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -53,16 +76,31 @@ def test_quick_benchmark_runs_every_system_and_they_train_the_same(tmp_path):
     assert "| metric | hf_fsdp2 | hf_fsdp2_async | accelerate_fsdp2 | transformers_fsdp2 | ddp |" in markdown
     assert "blocked save time with async_save" in markdown
 
-    rerendered = subprocess.run([sys.executable, os.path.join(SCRIPTS, "benchmark.py"), "--from-json", f"{out}.json"],
-                                capture_output=True, text=True, env=env, cwd=ROOT)
+    rerendered = subprocess.run(
+        [sys.executable, os.path.join(SCRIPTS, "benchmark.py"), "--from-json", f"{out}.json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
     assert rerendered.returncode == 0, rerendered.stderr[-3000:]
     assert markdown.strip() in rerendered.stdout
 
 
 def _run(load_s: float, step_s: float, save_s: float, ckpt_mib: float, consolidate: tuple[float, float] | None) -> dict:
-    rank = {"load_s": load_s, "load_peak_mib": 100.0, "step_s": [9.0, 9.0, step_s, step_s], "losses": [2.0, 1.5],
-            "final_loss": 1.5, "save_s": [save_s, save_s], "train_peak_mib": 500.0, "resume_s": [0.5, 0.25],
-            "loss_after_resume": 1.4, "load_gpu_peak_mib": None, "train_gpu_peak_mib": None}
+    rank = {
+        "load_s": load_s,
+        "load_peak_mib": 100.0,
+        "step_s": [9.0, 9.0, step_s, step_s],
+        "losses": [2.0, 1.5],
+        "final_loss": 1.5,
+        "save_s": [save_s, save_s],
+        "train_peak_mib": 500.0,
+        "resume_s": [0.5, 0.25],
+        "loss_after_resume": 1.4,
+        "load_gpu_peak_mib": None,
+        "train_gpu_peak_mib": None,
+    }
     run = {"ranks": [rank, dict(rank, load_peak_mib=120.0)], "checkpoint_bytes": ckpt_mib * 2**20}
     if consolidate:
         run["consolidate"] = {"seconds": consolidate[0], "peak_mib": consolidate[1]}
@@ -70,8 +108,9 @@ def _run(load_s: float, step_s: float, save_s: float, ckpt_mib: float, consolida
 
 
 def test_summary_ratios_and_targets_on_fixed_numbers():
-    args = argparse.Namespace(warmup=2, batch=1, nproc=2, seq_len=64, hidden=64, layers=1, vocab=128, repeats=2,
-                              steps=4)
+    args = argparse.Namespace(
+        warmup=2, batch=1, nproc=2, seq_len=64, hidden=64, layers=1, vocab=128, repeats=2, steps=4
+    )
     runs = {
         "hf_fsdp2": [_run(2.0, 1.0, 2.0, 300, (1.0, 50)), _run(4.0, 1.2, 2.0, 300, (1.0, 50))],
         "hf_fsdp2_async": [_run(2.0, 1.0, 0.5, 300, None)] * 2,

@@ -26,7 +26,7 @@ def reference(tmp_path_factory, tiny) -> str:
 
 def losses_by_step(out: str) -> dict[int, float]:
     result = load_result(out)
-    return dict(zip(result["steps"], result["losses"]))
+    return dict(zip(result["steps"], result["losses"], strict=True))
 
 
 def resume(tmp_path, tiny, reference: str, nproc: int, checkpoint: str = "checkpoint-2", *flags: str) -> dict:
@@ -35,28 +35,52 @@ def resume(tmp_path, tiny, reference: str, nproc: int, checkpoint: str = "checkp
     run_dir.mkdir(parents=True)
     shutil.copytree(os.path.join(reference, "run", checkpoint), run_dir / checkpoint)
     run(
-        "train_worker.py", nproc, "--model", tiny(MODEL), "--out", str(tmp_path), "--run-dir", str(run_dir),
-        "--resume", "last", *STEPS, *flags,
+        "train_worker.py",
+        nproc,
+        "--model",
+        tiny(MODEL),
+        "--out",
+        str(tmp_path),
+        "--run-dir",
+        str(run_dir),
+        "--resume",
+        "last",
+        *STEPS,
+        *flags,
     )
     return losses_by_step(str(tmp_path))
 
 
 def test_layout_is_accelerate_compatible_and_stores_tied_weights_once(reference):
     checkpoint = os.path.join(reference, "run", "checkpoint-4")
-    for name in ("scheduler.pt", "rng_state_0.pth", "rng_state_1.pth", "trainer_state.json", "training_args.bin",
-                 "config.json", "pytorch_model_fsdp_0/.metadata", "optimizer_0/.metadata"):
+    for name in (
+        "scheduler.pt",
+        "rng_state_0.pth",
+        "rng_state_1.pth",
+        "trainer_state.json",
+        "training_args.bin",
+        "config.json",
+        "pytorch_model_fsdp_0/.metadata",
+        "optimizer_0/.metadata",
+    ):
         assert os.path.isfile(os.path.join(checkpoint, name)), name
     # Each rank wrote its own part; no rank gathered the model.
     assert len(glob.glob(os.path.join(checkpoint, "pytorch_model_fsdp_0", "*.distcp"))) == 2
     keys = read_metadata(os.path.join(checkpoint, "pytorch_model_fsdp_0")).state_dict_metadata
     assert "model.model.embed_tokens.weight" in keys and "model.lm_head.weight" not in keys
     assert sorted(os.listdir(os.path.join(reference, "run"))) == [
-        "checkpoint-2", "checkpoint-4", "checkpoint-6", "config.json", "generation_config.json", "model.safetensors",
+        "checkpoint-2",
+        "checkpoint-4",
+        "checkpoint-6",
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
     ]
 
 
-@pytest.mark.parametrize("nproc, extra, tol", [(2, (), 1e-6), (1, (), 1e-4), (4, ("--grad-accum", "1"), 1e-4)],
-                         ids=["2->2", "2->1", "2->4"])
+@pytest.mark.parametrize(
+    "nproc, extra, tol", [(2, (), 1e-6), (1, (), 1e-4), (4, ("--grad-accum", "1"), 1e-4)], ids=["2->2", "2->1", "2->4"]
+)
 def test_resume_continues_the_loss_curve(tmp_path, tiny, reference, nproc, extra, tol):
     expected = losses_by_step(reference)
     got = resume(tmp_path, tiny, reference, nproc, "checkpoint-2", *extra)
@@ -75,8 +99,9 @@ def test_resume_from_four_ranks_on_two(tmp_path, tiny, reference):
 
 def test_a_rank_killed_mid_save_leaves_only_complete_checkpoints(tmp_path, tiny, reference):
     out = str(tmp_path)
-    proc = run("train_worker.py", 2, "--model", tiny(MODEL), "--out", out, *STEPS, "--kill-in-save", "3",
-               expect_ok=False)
+    proc = run(
+        "train_worker.py", 2, "--model", tiny(MODEL), "--out", out, *STEPS, "--kill-in-save", "3", expect_ok=False
+    )
     assert proc.returncode != 0
     run_dir = os.path.join(out, "run")
     assert get_last_checkpoint(run_dir) == os.path.join(run_dir, "checkpoint-2")
@@ -110,8 +135,19 @@ def test_resuming_a_checkpoint_of_another_model_names_the_first_mismatch(tmp_pat
     run_dir = tmp_path / "run"
     shutil.copytree(os.path.join(reference, "run", "checkpoint-2"), run_dir / "checkpoint-2")
     proc = run(
-        "train_worker.py", 2, "--model", tiny("llama"), "--out", str(tmp_path), "--run-dir", str(run_dir),
-        "--resume", "last", *STEPS, expect_ok=False, timeout=300,
+        "train_worker.py",
+        2,
+        "--model",
+        tiny("llama"),
+        "--out",
+        str(tmp_path),
+        "--run-dir",
+        str(run_dir),
+        "--resume",
+        "last",
+        *STEPS,
+        expect_ok=False,
+        timeout=300,
     )
     assert proc.returncode != 0
     assert "the checkpoint has no lm_head.weight: it was saved from another model" in proc.stdout + proc.stderr

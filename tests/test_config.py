@@ -50,8 +50,19 @@ def test_callable_policy_is_accepted_and_summarized():
 def test_hf_argument_parser_reads_the_config_beside_training_arguments():
     """One parser for both: no FSDP2Config field may share a name with a TrainingArguments field."""
     args, config = HfArgumentParser((TrainingArguments, FSDP2Config)).parse_args_into_dataclasses(
-        ["--output_dir", "o", "--auto_wrap_policy", "size_based_wrap", "--min_num_params", "1000",
-         "--defer_gradient_sync", "true", "--fsdp_activation_checkpointing", "--activation_checkpointing", "false"],
+        [
+            "--output_dir",
+            "o",
+            "--auto_wrap_policy",
+            "size_based_wrap",
+            "--min_num_params",
+            "1000",
+            "--defer_gradient_sync",
+            "true",
+            "--fsdp_activation_checkpointing",
+            "--activation_checkpointing",
+            "false",
+        ],
     )
     assert config.fsdp_activation_checkpointing and not args.activation_checkpointing
     assert config.auto_wrap_policy == "size_based_wrap"
@@ -86,5 +97,7 @@ def test_readme_configuration_reference_is_generated_from_the_dataclass():
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     script = os.path.join(root, "scripts", "config_reference.py")
-    proc = subprocess.run([sys.executable, script, "--check", os.path.join(root, "README.md")], capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, script, "--check", os.path.join(root, "README.md")], capture_output=True, text=True
+    )
     assert proc.returncode == 0, proc.stdout

@@ -47,7 +47,14 @@ def test_end_of_training_folder_reloads_with_equal_logits(trained):
 
 def test_cli_consolidates_the_last_checkpoint_into_a_loadable_folder(trained, tmp_path):
     output = tmp_path / "hf"
-    cli = [sys.executable, "-m", "hf_fsdp2.cli", "consolidate", os.path.join(trained, "run", "checkpoint-4"), str(output)]
+    cli = [
+        sys.executable,
+        "-m",
+        "hf_fsdp2.cli",
+        "consolidate",
+        os.path.join(trained, "run", "checkpoint-4"),
+        str(output),
+    ]
     proc = subprocess.run(cli, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert sorted(os.listdir(output)) == ["config.json", "generation_config.json", "model.safetensors"]
@@ -76,8 +83,16 @@ def test_export_dtype_is_applied_and_recorded(trained, tmp_path):
 def test_accelerate_merge_weights_reads_our_checkpoint(trained, tmp_path):
     checkpoint = os.path.join(trained, "run", "checkpoint-4")
     proc = subprocess.run(
-        [sys.executable, "-m", "accelerate.commands.accelerate_cli", "merge-weights", os.path.join(checkpoint, "pytorch_model_fsdp_0"), str(tmp_path / "acc")],
-        capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "accelerate.commands.accelerate_cli",
+            "merge-weights",
+            os.path.join(checkpoint, "pytorch_model_fsdp_0"),
+            str(tmp_path / "acc"),
+        ],
+        capture_output=True,
+        text=True,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     consolidate(checkpoint, str(tmp_path / "ours"))
@@ -93,7 +108,11 @@ def test_accelerate_format_checkpoint_with_tied_duplicates_consolidates(tiny, tm
 
     reference = AutoModelForCausalLM.from_pretrained(tiny("llama_tied"))
     checkpoint = tmp_path / "checkpoint-10"
-    dcp.save({"model": reference.state_dict()}, storage_writer=dcp.FileSystemWriter(str(checkpoint / "pytorch_model_fsdp_0")), no_dist=True)
+    dcp.save(
+        {"model": reference.state_dict()},
+        storage_writer=dcp.FileSystemWriter(str(checkpoint / "pytorch_model_fsdp_0")),
+        no_dist=True,
+    )
     shutil.copy(os.path.join(tiny("llama_tied"), "config.json"), checkpoint / "config.json")
     consolidate(str(checkpoint), str(tmp_path / "hf"))
     assert torch.equal(logits_of(str(tmp_path / "hf")), logits_of(tiny("llama_tied")))
@@ -110,14 +129,18 @@ def cli_error(*args: str) -> str:
 
 def test_a_path_that_is_not_a_checkpoint(tmp_path, tiny):
     assert "is not a directory" in cli_error(str(tmp_path / "nope"), str(tmp_path / "out"))
-    assert "is not a sharded checkpoint: it has no pytorch_model_fsdp_0/" in cli_error(tiny("llama"), str(tmp_path / "out"))
+    assert "is not a sharded checkpoint: it has no pytorch_model_fsdp_0/" in cli_error(
+        tiny("llama"), str(tmp_path / "out")
+    )
 
 
 def test_an_incomplete_checkpoint_without_metadata(trained, tmp_path):
     broken = tmp_path / "checkpoint-4"
     shutil.copytree(os.path.join(trained, "run", "checkpoint-4"), broken)
     os.remove(broken / "pytorch_model_fsdp_0" / ".metadata")
-    assert "has no .metadata: the checkpoint is incomplete or corrupted" in cli_error(str(broken), str(tmp_path / "out"))
+    assert "has no .metadata: the checkpoint is incomplete or corrupted" in cli_error(
+        str(broken), str(tmp_path / "out")
+    )
     assert not (tmp_path / "out").exists()
 
 
@@ -165,8 +188,19 @@ def test_an_optimizer_folder_is_not_a_model(trained, tmp_path):
 def test_tokenizer_files_travel_with_checkpoints_and_exports(tmp_path, tiny):
     from transformers import AutoTokenizer
 
-    run("train_worker.py", 2, "--model", tiny("llama"), "--out", str(tmp_path), "--save-steps", "2", "--steps", "2",
-        "--tokenizer")
+    run(
+        "train_worker.py",
+        2,
+        "--model",
+        tiny("llama"),
+        "--out",
+        str(tmp_path),
+        "--save-steps",
+        "2",
+        "--steps",
+        "2",
+        "--tokenizer",
+    )
     checkpoint = tmp_path / "run" / "checkpoint-2"
     assert (checkpoint / "tokenizer.json").is_file() and (tmp_path / "run" / "tokenizer.json").is_file()
     consolidate(str(checkpoint), str(tmp_path / "hf"))
@@ -194,7 +228,9 @@ def test_streamed_file_synced_in_the_background_holds_every_tensor(tmp_path, mon
     monkeypatch.setattr(os, "fdatasync", lambda fd: synced.append(fd) or real_fdatasync(fd))
     tensors = {f"t{i}": torch.randn(5 + i, 3) for i in range(12)}
     tensors["bf16"] = torch.randn(7).to(torch.bfloat16)
-    stream = SafetensorsStream(str(tmp_path / "x.safetensors"), [TensorSpec(k, tuple(v.shape), v.dtype) for k, v in tensors.items()])
+    stream = SafetensorsStream(
+        str(tmp_path / "x.safetensors"), [TensorSpec(k, tuple(v.shape), v.dtype) for k, v in tensors.items()]
+    )
     for tensor in tensors.values():
         stream.write(tensor)
     stream.close()

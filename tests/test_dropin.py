@@ -42,7 +42,9 @@ def differences(expected: Any, actual: Any, path: str = "") -> list[str]:
     if isinstance(expected, list):
         if len(expected) != len(actual):
             return [f"{path}: {len(expected)} items, {len(actual)} now"]
-        return [d for i, (e, a) in enumerate(zip(expected, actual)) for d in differences(e, a, f"{path}[{i}]")]
+        return [
+            d for i, (e, a) in enumerate(zip(expected, actual, strict=True)) for d in differences(e, a, f"{path}[{i}]")
+        ]
     if isinstance(expected, float) or isinstance(actual, float):
         return [f"{path}: {expected} vs {actual}"] if abs(expected - actual) > TOLERANCE else []
     return [f"{path}: {expected!r} vs {actual!r}"] if expected != actual else []

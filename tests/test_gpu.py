@@ -21,13 +21,25 @@ def test_two_gpus_bf16_track_one_gpu(tmp_path, tiny):
     run("train_worker.py", 0, *common, "--out", str(tmp_path / "one"))
     run("train_worker.py", 2, *common, "--out", str(tmp_path / "two"))
     one, two = load_result(str(tmp_path / "one")), load_result(str(tmp_path / "two"))
-    assert max(abs(a - b) for a, b in zip(one["losses"], two["losses"])) < 2e-2
+    assert max(abs(a - b) for a, b in zip(one["losses"], two["losses"], strict=True)) < 2e-2
     assert two["losses"][-1] < two["losses"][0]
 
 
 def test_two_gpus_load_exactly_and_resume(tmp_path, tiny):
     out = tmp_path / "run"
     run("train_worker.py", 2, "--model", tiny("llama_tied"), "--out", str(out), "--save-steps", "2", "--steps", "4")
-    run("train_worker.py", 2, "--model", tiny("llama_tied"), "--out", str(out), "--save-steps", "2", "--steps", "4",
-        "--resume", os.path.join(out, "run", "checkpoint-2"))
+    run(
+        "train_worker.py",
+        2,
+        "--model",
+        tiny("llama_tied"),
+        "--out",
+        str(out),
+        "--save-steps",
+        "2",
+        "--steps",
+        "4",
+        "--resume",
+        os.path.join(out, "run", "checkpoint-2"),
+    )
     assert load_result(str(out))["steps"][-1] == 4

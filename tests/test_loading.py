@@ -18,9 +18,7 @@ def test_skeleton_reads_no_weights_and_matches_from_pretrained_structure(tiny):
     reference = AutoModelForCausalLM.from_pretrained(tiny("llama_tied"))
     assert all(p.is_meta for p in skeleton.parameters())
     assert skeleton.lm_head.weight is skeleton.model.embed_tokens.weight
-    assert {n: p.shape for n, p in skeleton.named_parameters()} == {
-        n: p.shape for n, p in reference.named_parameters()
-    }
+    assert {n: p.shape for n, p in skeleton.named_parameters()} == {n: p.shape for n, p in reference.named_parameters()}
     assert skeleton.dtype == reference.dtype
 
 

@@ -102,7 +102,10 @@ def test_checkpoint_of_another_model_names_the_first_mismatching_key(tmp_path, t
     weights["model.layers.1.mlp.up_proj.weight"] = torch.zeros(3, 3)
     save_file(weights, str(mixed / "model.safetensors"))
     output = _fails(tmp_path / "out", str(mixed))
-    assert "model.layers.1.mlp.up_proj.weight: the checkpoint's model.layers.1.mlp.up_proj.weight has shape (3, 3)" in output
+    assert (
+        "model.layers.1.mlp.up_proj.weight: the checkpoint's model.layers.1.mlp.up_proj.weight has shape (3, 3)"
+        in output
+    )
 
 
 def test_rank0_without_real_weights_is_refused_on_every_rank(tmp_path, tiny):

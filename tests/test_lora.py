@@ -36,7 +36,18 @@ def one_process(tmp_path_factory, tiny) -> str:
 def two_ranks(tmp_path_factory, tiny) -> str:
     """Two ranks, peft on a meta skeleton, adapter-only checkpoints, the merged model exported at the end."""
     out = str(tmp_path_factory.mktemp("lora_two"))
-    run("train_worker.py", 2, "--model", tiny(MODEL), "--out", out, "--load", "from_pretrained", "--merge-adapters", *LORA)
+    run(
+        "train_worker.py",
+        2,
+        "--model",
+        tiny(MODEL),
+        "--out",
+        out,
+        "--load",
+        "from_pretrained",
+        "--merge-adapters",
+        *LORA,
+    )
     return out
 
 
@@ -57,8 +68,11 @@ def peft_logits(base: str, adapter_folder: str) -> torch.Tensor:
 
 def test_two_ranks_on_a_skeleton_match_one_process(one_process, two_ranks, tiny):
     ref, got = load_result(one_process), load_result(two_ranks)
-    assert max(abs(a - b) for a, b in zip(ref["losses"], got["losses"])) < TOL
-    ref_w, got_w = torch.load(os.path.join(one_process, "weights.pt")), torch.load(os.path.join(two_ranks, "weights.pt"))
+    assert max(abs(a - b) for a, b in zip(ref["losses"], got["losses"], strict=True)) < TOL
+    ref_w, got_w = (
+        torch.load(os.path.join(one_process, "weights.pt")),
+        torch.load(os.path.join(two_ranks, "weights.pt")),
+    )
     assert len(adapters(ref_w)) == 2 * 3 * 2  # A and B, 3 targets, 2 layers
     assert max_diff(adapters(ref_w), adapters(got_w)) < TOL
     # The adapters moved; the frozen base did not (and is the checkpoint's, bit for bit).
@@ -108,11 +122,25 @@ def test_resume_from_an_adapter_checkpoint_on_any_world_size(tmp_path, two_ranks
     run_dir = tmp_path / "run"
     shutil.copytree(os.path.join(two_ranks, "run", "checkpoint-2"), run_dir / "checkpoint-2")
     run(
-        "train_worker.py", nproc, "--model", tiny(MODEL), "--out", str(tmp_path), "--run-dir", str(run_dir),
-        "--load", "from_pretrained", "--resume", "last", *LORA,
+        "train_worker.py",
+        nproc,
+        "--model",
+        tiny(MODEL),
+        "--out",
+        str(tmp_path),
+        "--run-dir",
+        str(run_dir),
+        "--load",
+        "from_pretrained",
+        "--resume",
+        "last",
+        *LORA,
     )
     ref, got = load_result(two_ranks), load_result(str(tmp_path))
-    expected, resumed = dict(zip(ref["steps"], ref["losses"])), dict(zip(got["steps"], got["losses"]))
+    expected, resumed = (
+        dict(zip(ref["steps"], ref["losses"], strict=True)),
+        dict(zip(got["steps"], got["losses"], strict=True)),
+    )
     for step in (3, 4):
         assert abs(resumed[step] - expected[step]) < TOL
     ref_w, got_w = torch.load(os.path.join(two_ranks, "weights.pt")), torch.load(str(tmp_path / "weights.pt"))
@@ -125,7 +153,7 @@ def test_classification_with_modules_to_save_matches_one_process(tmp_path, tiny)
     run("train_worker.py", 0, "--model", tiny("llama"), "--out", str(tmp_path / "one"), "--load", "object", *flags)
     run("train_worker.py", 2, "--model", tiny("llama"), "--out", str(tmp_path / "two"), *flags)
     ref, got = load_result(str(tmp_path / "one")), load_result(str(tmp_path / "two"))
-    assert max(abs(a - b) for a, b in zip(ref["losses"], got["losses"])) < TOL
+    assert max(abs(a - b) for a, b in zip(ref["losses"], got["losses"], strict=True)) < TOL
     ref_w, got_w = torch.load(str(tmp_path / "one" / "weights.pt")), torch.load(str(tmp_path / "two" / "weights.pt"))
     head = "base_model.model.score.modules_to_save.default.weight"
     assert (got_w[head] - ref_w[head]).abs().max() < TOL
@@ -199,7 +227,11 @@ def test_frozen_base_stays_bf16_and_adapters_are_fp32_masters(tmp_path, tiny):
 @pytest.mark.parametrize(
     "model, kwargs, message",
     [
-        ("llama_tied", {"targets": ("lm_head", "q_proj")}, "lm_head.base_layer.weight carries a LoRA adapter but is tied"),
+        (
+            "llama_tied",
+            {"targets": ("lm_head", "q_proj")},
+            "lm_head.base_layer.weight carries a LoRA adapter but is tied",
+        ),
         ("llama", {"use_dora": True}, "uses a LoRA variant \\(DoRA"),
     ],
 )

@@ -29,9 +29,9 @@ def assert_same_run(got: tuple[dict, dict], ref: tuple[dict, dict], tol: float =
     """Losses, grad norms and every final weight agree within `tol`."""
     (result, weights), (ref_result, ref_weights) = got, ref
     assert len(result["losses"]) == len(ref_result["losses"]) > 0
-    for step, (a, b) in enumerate(zip(result["losses"], ref_result["losses"])):
+    for step, (a, b) in enumerate(zip(result["losses"], ref_result["losses"], strict=True)):
         assert abs(a - b) <= tol, f"loss at step {step}: {a} vs {b}"
-    for step, (a, b) in enumerate(zip(result["grad_norms"], ref_result["grad_norms"])):
+    for step, (a, b) in enumerate(zip(result["grad_norms"], ref_result["grad_norms"], strict=True)):
         assert abs(a - b) <= tol * max(1.0, abs(b)), f"grad_norm at step {step}: {a} vs {b}"
     assert weights.keys() == ref_weights.keys()
     for key in ref_weights:

@@ -44,7 +44,7 @@ def test_quickstart_is_two_commands_and_the_second_is_what_ci_runs():
 
 def test_quickstart_main_job_names_files_that_exist():
     install, _ = quickstart()[0].split(" && ")
-    assert install.startswith("pip install torch==2.13.0 -e .")
+    assert install.startswith("pip install torch==2.13.0 -e ")
     nproc, arguments = quickstart_main_job()
     assert nproc == "2"
     for path in arguments:

@@ -18,7 +18,7 @@ def test_one_process_matches_plain_trainer(tmp_path, tiny):
     run("trainer_vs_plain.py", 0, tiny("llama_tied"), str(tmp_path))
     result = load_result(str(tmp_path))
     assert len(result["ours"]) == 4
-    for step, (a, b) in enumerate(zip(result["ours"], result["plain"])):
+    for step, (a, b) in enumerate(zip(result["ours"], result["plain"], strict=True)):
         assert abs(a - b) <= 1e-5, f"step {step}: {a} vs {b}"
     assert result["max_weight_diff"] <= 1e-5
 
@@ -102,7 +102,7 @@ def test_mesh_release_survives_weak_proxies_to_dead_objects():
     del target
     _release_mesh_groups()
     with pytest.raises(ReferenceError):
-        proxy.anything  # the proxy really is dead, so the release above walked past it
+        _ = proxy.anything  # the proxy really is dead, so the release above walked past it
 
 
 def test_an_unchanged_trainer_script_ends_its_process_group_by_itself(tmp_path, tiny):

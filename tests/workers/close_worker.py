@@ -50,8 +50,11 @@ def main() -> None:
     close_distributed()
     open_after_close = dist.is_initialized()
     close_distributed()  # a second call (or one without a group) is a no-op
-    print(f"rank {os.environ.get('RANK', '0')}: sum {total.item():g}, open after close {open_after_close}, "
-          f"gloo threads {threads_before} before close, {gloo_threads()} after", flush=True)
+    print(
+        f"rank {os.environ.get('RANK', '0')}: sum {total.item():g}, open after close {open_after_close}, "
+        f"gloo threads {threads_before} before close, {gloo_threads()} after",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from datasets import Dataset
@@ -122,7 +123,9 @@ def plain_module() -> dict[str, Any]:
     """A plain nn.Module with a scalar parameter: train, evaluate, save_model."""
     torch.manual_seed(0)
     model = Regressor()
-    trainer = TrainerClass(model, args("plain_module"), train_dataset=regression_data(32), eval_dataset=regression_data(8, 1))
+    trainer = TrainerClass(
+        model, args("plain_module"), train_dataset=regression_data(32), eval_dataset=regression_data(8, 1)
+    )
     trainer.train()
     evaluation = trainer.evaluate()
     export = os.path.join(RUN_DIR, "plain_module_export")
@@ -139,7 +142,9 @@ def scalar_resume() -> dict[str, Any]:
     """Checkpoints of a model with a scalar: a fresh model and trainer resume from checkpoint-2 exactly."""
     name = "scalar_resume"
     torch.manual_seed(0)
-    first = TrainerClass(Regressor(), args(name, save_strategy="steps", save_steps=2), train_dataset=regression_data(32))
+    first = TrainerClass(
+        Regressor(), args(name, save_strategy="steps", save_steps=2), train_dataset=regression_data(32)
+    )
     first.train()
     torch.manual_seed(1)  # the resumed model starts from other weights: all of them must come from the checkpoint
     second = TrainerClass(Regressor(), args(name, save_strategy="no"), train_dataset=regression_data(32))
@@ -293,11 +298,23 @@ def seq2seq_own_loss() -> dict[str, Any]:
     from transformers import T5Config, T5ForConditionalGeneration
 
     torch.manual_seed(0)
-    config = T5Config(vocab_size=50, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2, dropout_rate=0.0, decoder_start_token_id=0)
+    config = T5Config(
+        vocab_size=50,
+        d_model=16,
+        d_kv=8,
+        d_ff=32,
+        num_layers=1,
+        num_heads=2,
+        dropout_rate=0.0,
+        decoder_start_token_id=0,
+    )
     model = T5ForConditionalGeneration(config)
     g = torch.Generator().manual_seed(0)
     data = Dataset.from_dict(
-        {"input_ids": torch.randint(1, 50, (16, 6), generator=g).tolist(), "labels": torch.randint(1, 50, (16, 4), generator=g).tolist()}
+        {
+            "input_ids": torch.randint(1, 50, (16, 6), generator=g).tolist(),
+            "labels": torch.randint(1, 50, (16, 4), generator=g).tolist(),
+        }
     )
     trainer = TrainerClass(model, args("seq2seq", learning_rate=1e-3), train_dataset=data)
     trainer.train()
@@ -312,7 +329,9 @@ class ClipWithLoss(nn.Module):
         from transformers import CLIPConfig, CLIPModel
 
         text = dict(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
-        vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=8, patch_size=4)
+        vision = dict(
+            hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=8, patch_size=4
+        )
         self.clip = CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=8))
 
     def forward(self, input_ids: torch.Tensor, pixel_values: torch.Tensor) -> Any:
@@ -326,7 +345,10 @@ def clip() -> dict[str, Any]:
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
     data = Dataset.from_dict(
-        {"input_ids": torch.randint(0, 50, (16, 6), generator=g).tolist(), "pixel_values": torch.randn(16, 3, 8, 8, generator=g).tolist()}
+        {
+            "input_ids": torch.randint(0, 50, (16, 6), generator=g).tolist(),
+            "pixel_values": torch.randn(16, 3, 8, 8, generator=g).tolist(),
+        }
     )
     trainer = TrainerClass(ClipWithLoss(), args("clip", learning_rate=1e-3), train_dataset=data)
     trainer.train()
@@ -339,7 +361,9 @@ def clip() -> dict[str, Any]:
 
 def torch_compile() -> dict[str, Any]:
     """torch_compile=True in TrainingArguments."""
-    trainer = TrainerClass(causal_model(), args("torch_compile", max_steps=2, torch_compile=True), train_dataset=make_dataset(32, 96))
+    trainer = TrainerClass(
+        causal_model(), args("torch_compile", max_steps=2, torch_compile=True), train_dataset=make_dataset(32, 96)
+    )
     trainer.train()
     return {"losses": losses(trainer)}
 
@@ -355,7 +379,9 @@ def refusals() -> dict[str, Any]:
     TrainerClass(model, args("refusals"), train_dataset=make_dataset(8, 96))
     for key, attempt in {
         "bf16_now": lambda: TrainerClass(model, args("refusals", bf16=True)),
-        "other_units": lambda: TrainerClass(model, args("refusals"), fsdp2_config=FSDP2Config(reshard_after_forward=False)),
+        "other_units": lambda: TrainerClass(
+            model, args("refusals"), fsdp2_config=FSDP2Config(reshard_after_forward=False)
+        ),
         "foreign": lambda: TrainerClass(fully_shard(causal_model()), args("refusals")),
         "unknown_block": lambda: TrainerClass(
             causal_model(), args("refusals"), fsdp2_config=FSDP2Config(transformer_layer_cls_to_wrap=["NoSuchBlock"])

@@ -23,7 +23,9 @@ def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True)
     p.add_argument("--out", required=True)
-    p.add_argument("--route", default="path", choices=["path", "from_pretrained", "object", "object_rank0", "meta_object"])
+    p.add_argument(
+        "--route", default="path", choices=["path", "from_pretrained", "object", "object_rank0", "meta_object"]
+    )
     p.add_argument("--task", default="causal", choices=list(CLASSES))
     p.add_argument("--hsdp", type=int, default=1)
     p.add_argument("--bf16", action="store_true")

@@ -7,7 +7,8 @@ import math
 import os
 import sys
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from safetensors.torch import load_file
 from torch import nn

@@ -19,9 +19,18 @@ from tests.workers.train_worker import make_dataset
 
 def arguments(out: str) -> TrainingArguments:
     return TrainingArguments(
-        output_dir=out, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=4,
-        learning_rate=1e-3, lr_scheduler_type="constant", logging_steps=1, save_strategy="no",
-        report_to=[], seed=42, use_cpu=True, disable_tqdm=True,
+        output_dir=out,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        max_steps=4,
+        learning_rate=1e-3,
+        lr_scheduler_type="constant",
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        seed=42,
+        use_cpu=True,
+        disable_tqdm=True,
     )
 
 
@@ -31,7 +40,9 @@ def losses(trainer: Trainer) -> list[float]:
 
 def main() -> None:
     model_path, out = sys.argv[1], sys.argv[2]
-    plain = Trainer(AutoModelForCausalLM.from_pretrained(model_path), arguments(out), train_dataset=make_dataset(64, 96))
+    plain = Trainer(
+        AutoModelForCausalLM.from_pretrained(model_path), arguments(out), train_dataset=make_dataset(64, 96)
+    )
     plain.train()
     ours = FSDP2Trainer(model_path, arguments(out), train_dataset=make_dataset(64, 96))
     ours.train()

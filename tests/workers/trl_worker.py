@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from datasets import Dataset
@@ -152,7 +153,11 @@ def dpo_full() -> dict[str, Any]:
 def dpo_lora() -> dict[str, Any]:
     """DPO with peft_config: the adapter-disabled policy serves as the reference."""
     trainer = DPO(
-        LLAMA, args=dpo_config("dpo_lora"), train_dataset=dpo_data(), processing_class=tiny_tokenizer(), peft_config=lora()
+        LLAMA,
+        args=dpo_config("dpo_lora"),
+        train_dataset=dpo_data(),
+        processing_class=tiny_tokenizer(),
+        peft_config=lora(),
     )
     trainer.train()
     return {"losses": losses(trainer), "adapters": full_weights(trainer.model, trainable_only=True)}

@@ -23,7 +23,9 @@ from hf_fsdp2 import FSDP2Trainer  # noqa: E402
 from tests.workers.train_worker import make_dataset  # noqa: E402
 
 model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
-args = TrainingArguments("unused_out", max_steps=2, per_device_train_batch_size=2, use_cpu=True, report_to=[], save_strategy="no")
+args = TrainingArguments(
+    "unused_out", max_steps=2, per_device_train_batch_size=2, use_cpu=True, report_to=[], save_strategy="no"
+)
 trainer = FSDP2Trainer(model, args, train_dataset=make_dataset(16, 96))
 trainer.train()
 if sys.argv[2:] == ["fail"] and dist.get_rank() == 1:

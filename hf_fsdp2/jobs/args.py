@@ -12,7 +12,8 @@ from __future__ import annotations
 import difflib
 import json
 import os
-from typing import Any, Iterable, Optional
+from collections.abc import Iterable
+from typing import Any
 
 import yaml
 from transformers import HfArgumentParser
@@ -20,10 +21,10 @@ from transformers import HfArgumentParser
 CONFIG_SUFFIXES = (".yaml", ".yml")
 
 
-def split_config(argv: list[str]) -> tuple[Optional[str], list[str]]:
+def split_config(argv: list[str]) -> tuple[str | None, list[str]]:
     """Return the YAML config path (first `*.yaml` argument or `--config PATH`) and the other arguments."""
     rest: list[str] = []
-    config: Optional[str] = None
+    config: str | None = None
     tokens = iter(argv)
     for token in tokens:
         if token in ("--config", "-c"):

@@ -16,5 +16,5 @@ class Accuracy(evaluate.Metric):
         )
 
     def _compute(self, predictions: list, references: list) -> dict:
-        hits = sum(int(p) == int(r) for p, r in zip(predictions, references))
+        hits = sum(int(p) == int(r) for p, r in zip(predictions, references, strict=True))
         return {"accuracy": hits / max(len(references), 1)}

@@ -6,7 +6,7 @@ import pytest
 from transformers import TrainingArguments
 
 from hf_fsdp2 import FSDP2Config
-from hf_fsdp2.recipe_args import parse_recipe_args, split_config
+from hf_fsdp2.jobs.args import parse_recipe_args, split_config
 
 
 def write(tmp_path, text: str) -> str:
@@ -16,10 +16,15 @@ def write(tmp_path, text: str) -> str:
 
 
 def test_yaml_values_are_typed_like_the_command_line_and_overrides_win(tmp_path):
-    config = write(tmp_path, "output_dir: out\nlearning_rate: 1e-4\nbf16: false\nmax_steps: 10\n"
-                             "transformer_layer_cls_to_wrap: [LlamaDecoderLayer]\nreshard_after_forward: false\n")
-    args, fsdp = parse_recipe_args((TrainingArguments, FSDP2Config), [config, "max_steps=3", "--learning_rate", "0.5",
-                                                                       "--fsdp_activation_checkpointing"])
+    config = write(
+        tmp_path,
+        "output_dir: out\nlearning_rate: 1e-4\nbf16: false\nmax_steps: 10\n"
+        "transformer_layer_cls_to_wrap: [LlamaDecoderLayer]\nreshard_after_forward: false\n",
+    )
+    args, fsdp = parse_recipe_args(
+        (TrainingArguments, FSDP2Config),
+        [config, "max_steps=3", "--learning_rate", "0.5", "--fsdp_activation_checkpointing"],
+    )
     assert (args.output_dir, args.learning_rate, args.max_steps, args.bf16) == ("out", 0.5, 3, False)
     assert fsdp.transformer_layer_cls_to_wrap == ["LlamaDecoderLayer"]
     assert fsdp.reshard_after_forward is False and fsdp.fsdp_activation_checkpointing is True

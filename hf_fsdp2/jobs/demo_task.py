@@ -22,14 +22,63 @@ VOCAB = ("<pad>", "<s>", "</s>", *OPERATIONS, ":", "=", *DIGITS)
 EXACT_MATCH_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "metrics", "exact_match.py")
 ACCURACY_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "metrics", "accuracy.py")
 # Sentiment words: the first part of each list trains, the rest (unseen in training) evaluates.
-POSITIVE = ("good", "great", "wonderful", "excellent", "delightful", "superb", "lovely", "brilliant",
-            "fantastic", "charming", "marvelous", "splendid", "terrific", "enjoyable", "beautiful", "pleasant")
-NEGATIVE = ("bad", "awful", "terrible", "horrible", "dreadful", "boring", "dull", "poor",
-            "disappointing", "painful", "miserable", "tedious", "mediocre", "unpleasant", "ugly", "annoying")
-SUBJECTS = ("the film", "this movie", "the plot", "the acting", "the ending", "the soundtrack", "the story",
-            "this book", "the dinner", "the service", "the show", "our trip")
-TEMPLATES = ("{s} was {w}.", "i thought {s} was {w}.", "honestly, {s} was {w}.", "{s} is {w} overall.",
-             "everyone agreed that {s} was {w}.")
+POSITIVE = (
+    "good",
+    "great",
+    "wonderful",
+    "excellent",
+    "delightful",
+    "superb",
+    "lovely",
+    "brilliant",
+    "fantastic",
+    "charming",
+    "marvelous",
+    "splendid",
+    "terrific",
+    "enjoyable",
+    "beautiful",
+    "pleasant",
+)
+NEGATIVE = (
+    "bad",
+    "awful",
+    "terrible",
+    "horrible",
+    "dreadful",
+    "boring",
+    "dull",
+    "poor",
+    "disappointing",
+    "painful",
+    "miserable",
+    "tedious",
+    "mediocre",
+    "unpleasant",
+    "ugly",
+    "annoying",
+)
+SUBJECTS = (
+    "the film",
+    "this movie",
+    "the plot",
+    "the acting",
+    "the ending",
+    "the soundtrack",
+    "the story",
+    "this book",
+    "the dinner",
+    "the service",
+    "the show",
+    "our trip",
+)
+TEMPLATES = (
+    "{s} was {w}.",
+    "i thought {s} was {w}.",
+    "honestly, {s} was {w}.",
+    "{s} is {w} overall.",
+    "everyone agreed that {s} was {w}.",
+)
 
 
 def demo_tokenizer() -> PreTrainedTokenizerFast:
@@ -110,9 +159,14 @@ def sentiment_example(rng: random.Random, split: str) -> dict:
     return {"text": sentence, "label": label}
 
 
-def build_sentiment(directory: str, train_examples: int = 512, eval_examples: int = 128, seed: int = 0) -> dict[str, str]:
+def build_sentiment(
+    directory: str, train_examples: int = 512, eval_examples: int = 128, seed: int = 0
+) -> dict[str, str]:
     """Write (once) the sentiment train/eval JSON-lines files under `directory`; return their paths."""
-    paths = {"train": os.path.join(directory, "sentiment_train.jsonl"), "eval": os.path.join(directory, "sentiment_eval.jsonl")}
+    paths = {
+        "train": os.path.join(directory, "sentiment_train.jsonl"),
+        "eval": os.path.join(directory, "sentiment_eval.jsonl"),
+    }
     for split, n, offset in (("train", train_examples, 1), ("eval", eval_examples, 2)):
         if not os.path.isfile(paths[split]):
             rng = random.Random(seed + offset)

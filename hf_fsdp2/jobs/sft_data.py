@@ -3,7 +3,6 @@ response only, padded per batch. Used by the recipes; nothing here knows about s
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from datasets import Dataset
@@ -12,16 +11,9 @@ from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening, Pre
 IGNORE_INDEX = -100
 
 
-def read_jsonl(path: str) -> Dataset:
-    """A JSON-lines file as an in-memory Dataset (no cache files, so ranks never race on a cache)."""
-    with open(path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    if not rows:
-        raise ValueError(f"{path} has no rows; expected one JSON object per line.")
-    return Dataset.from_list(rows)
-
-
-def tokenize_pair(prompt: str, response: str, tokenizer: PreTrainedTokenizerBase, max_length: int) -> dict[str, list[int]]:
+def tokenize_pair(
+    prompt: str, response: str, tokenizer: PreTrainedTokenizerBase, max_length: int
+) -> dict[str, list[int]]:
     """Token ids of prompt + response (+ EOS) with labels masked over the prompt, truncated to max_length."""
     prompt_ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
     response_ids = tokenizer(response, add_special_tokens=False)["input_ids"]

@@ -2,15 +2,14 @@
 data → model (+ LoRA) → evaluate before → train (sharded checkpoints) → export → reload the export with
 `from_pretrained` → evaluate after → plot and summary.
 
-With `model_name_or_path="demo"` it runs the embedded default (hf_fsdp2.demo_task), built on first use.
+With `model_name_or_path="demo"` it runs the embedded default (hf_fsdp2.jobs.demo_task), built on first use.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field, replace
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -18,17 +17,16 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase, TrainingArguments, set_seed
 
-from .config import FSDP2Config
+from ..config import FSDP2Config
+from ..distributed import init_distributed, is_rank0
+from ..skeleton import from_pretrained
+from ..trainer import FSDP2Trainer
 from .demo_task import EXACT_MATCH_PATH, build_demo
-from .distributed import init_distributed, is_rank0
-from .plot import line_chart_png
-from .sft_data import prepare_for_packing, read_jsonl, sft_collator, tokenize_pairs
-from .skeleton import from_pretrained
-from .trainer import FSDP2Trainer
+from .jsonl import read_jsonl
+from .outputs import peak_memory_per_rank, render_summary, write_outputs
+from .sft_data import prepare_for_packing, sft_collator, tokenize_pairs
 
 DEMO = "demo"
-CURVES_FILE = "training_curves.png"
-SUMMARY_FILE = "job_summary.json"
 
 
 @dataclass
@@ -38,15 +36,17 @@ class SFTArguments:
     model_name_or_path: str = field(
         default=DEMO, metadata={"help": "Local model folder, or 'demo' for the embedded default (built on first use)."}
     )
-    train_file: Optional[str] = field(default=None, metadata={"help": "JSON lines with prompt/response rows."})
-    eval_file: Optional[str] = field(default=None, metadata={"help": "JSON lines for eval loss and exact match."})
+    train_file: str | None = field(default=None, metadata={"help": "JSON lines with prompt/response rows."})
+    eval_file: str | None = field(default=None, metadata={"help": "JSON lines for eval loss and exact match."})
     demo_dir: str = field(default="out/demo", metadata={"help": "Where the embedded default is built."})
     prompt_column: str = field(default="prompt")
     response_column: str = field(default="response")
     max_length: int = field(default=512, metadata={"help": "Longest tokenized example (prompt + response)."})
     packing: bool = field(
         default=False,
-        metadata={"help": "Concatenate each batch's examples into one row (no padding; position ids restart per example)."},
+        metadata={
+            "help": "Concatenate each batch's examples into one row (no padding; position ids restart per example)."
+        },
     )
     eval_generations: int = field(default=200, metadata={"help": "Eval prompts to generate for exact match (0: none)."})
     max_new_tokens: int = field(default=32, metadata={"help": "Generation length cap for exact match."})
@@ -63,7 +63,7 @@ class LoraArguments:
     lora_target_modules: str = field(
         default="q_proj,k_proj,v_proj,o_proj", metadata={"help": "Comma-separated module names, or 'all-linear'."}
     )
-    modules_to_save: Optional[str] = field(default=None, metadata={"help": "Comma-separated modules trained in full."})
+    modules_to_save: str | None = field(default=None, metadata={"help": "Comma-separated modules trained in full."})
 
     def to_peft(self) -> Any:
         """The peft LoraConfig these arguments describe."""
@@ -99,7 +99,10 @@ def resolve_demo(args: SFTArguments) -> SFTArguments:
 
 
 def run_sft(
-    args: SFTArguments, training_args: TrainingArguments, fsdp2_config: FSDP2Config, lora: Optional[LoraArguments] = None
+    args: SFTArguments,
+    training_args: TrainingArguments,
+    fsdp2_config: FSDP2Config,
+    lora: LoraArguments | None = None,
 ) -> dict[str, Any]:
     """Run the whole job; return (and on rank 0 print and save) its summary."""
     init_distributed()
@@ -141,7 +144,7 @@ def run_sft(
 
 
 def evaluate_job(
-    trainer: FSDP2Trainer, tokenizer: PreTrainedTokenizerBase, rows: Optional[Any], args: SFTArguments
+    trainer: FSDP2Trainer, tokenizer: PreTrainedTokenizerBase, rows: Any | None, args: SFTArguments
 ) -> dict[str, Any]:
     """Eval loss and generation exact match of the sharded model (every rank takes part)."""
     if rows is None:
@@ -163,14 +166,20 @@ def exact_match(
     prompts, references = list(rows[args.prompt_column]), list(rows[args.response_column])
     answers = generate_answers(model, tokenizer, prompts, args.max_new_tokens, desc=desc)
     score = evaluate.load(EXACT_MATCH_PATH).compute(predictions=answers, references=references)["exact_match"]
-    shown = [{"prompt": p, "expected": r, "generated": a} for p, r, a in list(zip(prompts, references, answers))]
+    shown = [
+        {"prompt": p, "expected": r, "generated": a} for p, r, a in list(zip(prompts, references, answers, strict=True))
+    ]
     return {"exact_match": score, "examples": shown[: args.show_generations]}
 
 
 @torch.no_grad()
 def generate_answers(
-    model: nn.Module, tokenizer: PreTrainedTokenizerBase, prompts: list[str], max_new_tokens: int,
-    batch_size: int = 32, desc: str = "Generating",
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[str],
+    max_new_tokens: int,
+    batch_size: int = 32,
+    desc: str = "Generating",
 ) -> list[str]:
     """Greedy answers to `prompts`. A sharded model splits them across ranks (all ranks must call);
     a plain model on one rank answers them all."""
@@ -188,7 +197,10 @@ def generate_answers(
             batch = tokenizer(mine[start : start + batch_size], return_tensors="pt", padding=True).to(device)
             # synced_gpus: a sharded forward is collective, so ranks that finish early keep stepping.
             out = model.generate(
-                **batch, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id,
+                **batch,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=tokenizer.pad_token_id,
                 synced_gpus=sharded,
             )
             answers += tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
@@ -214,60 +226,9 @@ def load_export(output_dir: str, base: str, is_adapter: bool) -> nn.Module:
     return AutoModelForCausalLM.from_pretrained(output_dir)
 
 
-def peak_memory_per_rank() -> list[dict[str, float]]:
-    """Peak host RSS (VmHWM) and, on CUDA, peak allocated accelerator memory of every rank, in MiB."""
-    mine = {"host_mib": _vm_hwm_kib() / 1024}
-    if torch.cuda.is_available():
-        mine["cuda_mib"] = torch.cuda.max_memory_allocated() / 2**20
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)
-    return gathered
-
-
-def _vm_hwm_kib() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1])
-    return 0
-
-
-def write_outputs(summary: dict[str, Any], history: list[dict[str, Any]], output_dir: str, curves: dict[str, str]) -> dict:
-    """Rank 0: write the summary JSON and a PNG of the logged `curves` (panel title → log key); return them."""
-    points = {title: [(h["step"], h[key]) for h in history if key in h] for title, key in curves.items()}
-    if any(points.values()):
-        line_chart_png(points, os.path.join(output_dir, CURVES_FILE))
-    with open(os.path.join(output_dir, SUMMARY_FILE), "w") as f:
-        json.dump(summary, f, indent=2)
-    return points
-
-
 def finish(summary: dict[str, Any], trainer: FSDP2Trainer, output_dir: str) -> None:
     """Rank 0: write the curves PNG and the summary JSON, and print the summary."""
-    curves = write_outputs(summary, trainer.state.log_history, output_dir, {"train loss": "loss", "eval loss": "eval_loss"})
-    print(render_summary(summary, output_dir, curves, "job", ("eval_loss", "exact_match")))
-
-
-def render_summary(
-    summary: dict[str, Any], output_dir: str, curves: dict[str, list], title: str, metrics: tuple[str, ...]
-) -> str:
-    """A job's result in a few lines: `metrics` before/after, the reloaded export's score, examples, memory."""
-    before, after = summary.get("before", {}), summary.get("after", {})
-    width = max(len(key) for key in (*metrics, "reloaded"))
-    lines = ["", f"=== hf_fsdp2 {title} summary ==="]
-    for key in metrics:
-        if key in before:
-            lines.append(f"{key:>{width}}: {before[key]:.4f} before → {after[key]:.4f} after training")
-    for key, score in summary.get("reloaded", {}).items():
-        if key != "examples":
-            lines.append(f"{'reloaded':>{width}}: {key} {score:.4f} from {output_dir}")
-    for example in after.get("examples", []):
-        lines.append(f"  {example['prompt']!r} → {example['generated']!r} (expected {example['expected']!r})")
-    memory = ", ".join(
-        f"rank {r}: {m['host_mib']:.0f} MiB" + (f" host, {m['cuda_mib']:.0f} MiB GPU" if "cuda_mib" in m else "")
-        for r, m in enumerate(summary["peak_memory_mib_per_rank"])
+    curves = write_outputs(
+        summary, trainer.state.log_history, output_dir, {"train loss": "loss", "eval loss": "eval_loss"}
     )
-    lines.append(f"peak memory: {memory}")
-    panels = " / ".join(name for name, points in curves.items() if points)
-    lines.append(f"outputs: {output_dir} (model, checkpoint-*/, {SUMMARY_FILE}, {CURVES_FILE}: {panels}, top to bottom)")
-    return "\n".join(lines)
+    print(render_summary(summary, output_dir, curves, "job", ("eval_loss", "exact_match")))

