@@ -30,7 +30,7 @@ from .checkpoint import (
 )
 from .config import resolve_dtype
 from .distributed import is_rank0
-from .hf_export import TensorSpec, prepare_output, publish, write_weights
+from .hf_export import TensorSpec, prepare_output, publish, write_order, write_weights
 from .sharding import reshard_all
 
 # Files beside the weights that make a folder loadable (config) and usable (generation, tokenizer).
@@ -74,6 +74,7 @@ def consolidate(
         raise ValueError(f"{directory} holds no model tensors (is it an optimizer_0 folder?).")
     source = _model_files_dir(checkpoint_dir, directory)
     specs = [TensorSpec(k, tuple(md.size), _export_dtype(md.properties.dtype, target)) for k, md in stored.items()]
+    specs = write_order(specs, max_shard_size)  # batches are read in the order the files are written
     staging = prepare_output(output_dir, overwrite)
     reader = SafeFileSystemReader(directory, cache_metadata=True)
     batches = read_batches(specs, max(spec.nbytes for spec in specs))

@@ -16,13 +16,14 @@ import struct
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from huggingface_hub import split_torch_state_dict_into_shards
 from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
 
-SAFE_WEIGHTS = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
 _DTYPES = {
     torch.float64: "F64",
@@ -64,24 +65,22 @@ def parse_size(size: str | int) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2)])
 
 
-def plan_files(specs: list[TensorSpec], max_shard_bytes: int) -> list[list[TensorSpec]]:
-    """Group tensors, in order, into files of at most `max_shard_bytes` (a larger tensor gets its own)."""
-    files: list[list[TensorSpec]] = [[]]
-    size = 0
-    for spec in specs:
-        if files[-1] and size + spec.nbytes > max_shard_bytes:
-            files.append([])
-            size = 0
-        files[-1].append(spec)
-        size += spec.nbytes
-    return files
+def plan_files(specs: list[TensorSpec], max_shard_size: str | int) -> tuple[list[tuple[str, list[TensorSpec]]], Any]:
+    """Group tensors, in order, into named files of at most `max_shard_size` (a larger tensor gets its own).
+
+    The plan is huggingface_hub's (`split_torch_state_dict_into_shards`, on meta tensors: shapes and
+    dtypes only), so file names and the index are exactly what `save_pretrained` writes.
+    """
+    by_name = {spec.name: spec for spec in specs}
+    meta = {spec.name: torch.empty(spec.shape, dtype=spec.dtype, device="meta") for spec in specs}
+    split = split_torch_state_dict_into_shards(meta, max_shard_size=parse_size(max_shard_size))
+    files = [(name, [by_name[key] for key in keys]) for name, keys in split.filename_to_tensors.items()]
+    return files, split
 
 
-def file_names(count: int) -> list[str]:
-    """`model.safetensors`, or `model-0000i-of-0000n.safetensors` for several files."""
-    if count == 1:
-        return [SAFE_WEIGHTS]
-    return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+def write_order(specs: list[TensorSpec], max_shard_size: str | int) -> list[TensorSpec]:
+    """The order `write_weights` asks for tensors in (file by file), so readers can prefetch in that order."""
+    return [spec for _, group in plan_files(specs, max_shard_size)[0] for spec in group]
 
 
 def _header(specs: list[TensorSpec]) -> bytes:
@@ -165,10 +164,9 @@ def write_weights(
     `fetch` is called for every spec, in order, even where `write` is False: it may be a collective that
     every rank must join (gathering one sharded tensor), while only the writing rank keeps the result.
     """
-    groups = plan_files(specs, parse_size(max_shard_size))
-    names = file_names(len(groups))
+    files, split = plan_files(specs, max_shard_size)
     progress = logging.tqdm(total=len(specs), desc="Writing weights", disable=not write or len(specs) < 50)
-    for name, group in zip(names, groups, strict=True):
+    for name, group in files:
         stream = SafetensorsStream(os.path.join(directory, name), group) if write else None
         for spec in group:
             tensor = fetch(spec)
@@ -178,9 +176,8 @@ def write_weights(
         if stream is not None:
             stream.close()
     progress.close()
-    if write and len(groups) > 1:
-        weight_map = {spec.name: name for name, group in zip(names, groups, strict=True) for spec in group}
-        index = {"metadata": {"total_size": sum(s.nbytes for s in specs)}, "weight_map": weight_map}
+    if write and split.is_sharded:
+        index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
         with open(os.path.join(directory, SAFE_INDEX), "w") as f:
             json.dump(index, f, indent=2, sort_keys=True)
 

@@ -238,3 +238,24 @@ def test_streamed_file_synced_in_the_background_holds_every_tensor(tmp_path, mon
     assert loaded.keys() == tensors.keys()
     assert all(torch.equal(loaded[k], v) for k, v in tensors.items())
     assert synced  # a sync ran while tensors were still being written (close uses fsync)
+
+
+def test_shard_plan_is_huggingface_hubs_and_write_order_follows_it():
+    import torch
+
+    from hf_fsdp2.hf_export import TensorSpec, plan_files, write_order
+
+    specs = [
+        TensorSpec("a", (10,), torch.float32),
+        TensorSpec("big", (100,), torch.float32),
+        TensorSpec("c", (5,), torch.float32),
+    ]
+    files, split = plan_files(specs, 200)
+    # huggingface_hub gives a tensor larger than the limit its own file, ahead of the file still being filled
+    assert [(name, [s.name for s in group]) for name, group in files] == [
+        ("model-00001-of-00002.safetensors", ["big"]),
+        ("model-00002-of-00002.safetensors", ["a", "c"]),
+    ]
+    assert split.metadata == {"total_size": 460}
+    assert [s.name for s in write_order(specs, 200)] == ["big", "a", "c"]
+    assert [name for name, _ in plan_files(specs, "5GB")[0]] == ["model.safetensors"]

@@ -11,15 +11,19 @@ import os
 import pytest
 import torch
 
-from tests.launch import load_result, run
+from tests.launch import load_result, run, run_batch
 
 TOL = 1e-5
 MODELS = ["llama", "llama_tied", "qwen2", "gpt2"]
 
 
+def out_dir(out_root, model: str, nproc: int, flags: tuple[str, ...], name: str = "") -> str:
+    return os.path.join(str(out_root), name or f"{os.path.basename(model)}-{nproc}-{'-'.join(flags) or 'base'}")
+
+
 def train(out_root, model: str, nproc: int, *flags: str, name: str = "") -> tuple[dict, dict]:
-    """Run the training worker and return (result.json, final full weights)."""
-    out = os.path.join(str(out_root), name or f"{os.path.basename(model)}-{nproc}-{'-'.join(flags) or 'base'}")
+    """Return (result.json, final full weights) of a run, training it now unless `out_root` planned it."""
+    out = out_dir(out_root, model, nproc, flags, name)
     if not os.path.exists(os.path.join(out, "result.json")):
         run("train_worker.py", nproc, "--model", model, "--out", out, *flags)
     return load_result(out), torch.load(os.path.join(out, "weights.pt"))
@@ -39,9 +43,50 @@ def assert_same_run(got: tuple[dict, dict], ref: tuple[dict, dict], tol: float =
         assert diff <= tol, f"{key} differs by {diff}"
 
 
+VARIANTS = [
+    ("--wrap", "no_wrap"),
+    ("--wrap", "size_based_wrap"),
+    ("--ac",),
+    ("--compile",),
+    ("--reshard", "false"),
+    ("--evaluate-first",),
+    ("--user-optimizer", "--load", "object"),
+    ("--user-optimizer", "--load", "from_pretrained"),
+    ("--load", "from_pretrained"),
+    ("--load", "object"),
+    ("--load", "object_rank0"),
+]
+
+
+def planned_runs(tiny) -> list[tuple[str, int, tuple[str, ...], str]]:
+    """Every run this module's tests compare: (model folder, ranks, worker flags, name)."""
+    runs = []
+    for model in MODELS:
+        runs += [(tiny(model), 0, (), ""), (tiny(model), 2, (), ""), (tiny(model), 2, ("--defer",), "")]
+    runs += [(tiny("llama_tied"), 2, flags, "") for flags in VARIANTS]
+    runs += [
+        (tiny("llama"), 4, ("--hsdp", "2", "--global-batch", "8", "--grad-accum", "1"), "hsdp"),
+        (tiny("llama"), 0, ("--global-batch", "8", "--grad-accum", "1"), "ref8"),
+        (tiny("llama"), 2, ("--bf16", "--data", "pattern", "--steps", "12", "--lr", "1e-2"), "bf16"),
+        (tiny("llama"), 0, ("--task", "classify"), ""),
+        (tiny("llama"), 2, ("--task", "classify"), ""),
+        (tiny("llama"), 0, ("--generate",), "generate-1"),
+        (tiny("llama"), 2, ("--generate",), "generate-2"),
+    ]
+    return runs
+
+
 @pytest.fixture(scope="module")
-def out_root(tmp_path_factory):
-    return tmp_path_factory.mktemp("parity")
+def out_root(tmp_path_factory, tiny):
+    """Train every planned run, one launch per world size, before the tests compare them."""
+    root = tmp_path_factory.mktemp("parity")
+    by_world: dict[int, list[list[str]]] = {}
+    for model, nproc, flags, name in planned_runs(tiny):
+        argv = ["--model", model, "--out", out_dir(root, model, nproc, flags, name), *flags]
+        by_world.setdefault(nproc, []).append(argv)
+    for nproc, runs in by_world.items():
+        run_batch("train_worker.py", nproc, runs, str(root / "batches"))
+    return root
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -79,23 +124,7 @@ def test_hsdp_four_ranks_match_one_process(out_root, tiny):
     assert_same_run(got, ref8)
 
 
-@pytest.mark.parametrize(
-    "flags",
-    [
-        ("--wrap", "no_wrap"),
-        ("--wrap", "size_based_wrap"),
-        ("--ac",),
-        ("--compile",),
-        ("--reshard", "false"),
-        ("--evaluate-first",),
-        ("--user-optimizer", "--load", "object"),
-        ("--user-optimizer", "--load", "from_pretrained"),
-        ("--load", "from_pretrained"),
-        ("--load", "object"),
-        ("--load", "object_rank0"),
-    ],
-    ids=lambda f: "-".join(x.strip("-") for x in f),
-)
+@pytest.mark.parametrize("flags", VARIANTS, ids=lambda f: "-".join(x.strip("-") for x in f))
 def test_variants_match_one_process(out_root, tiny, flags):
     """Wrap policies, activation checkpointing, evaluate-before-train, a user optimizer and every load route
     change nothing about the numbers."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 import torch
 from datasets import Dataset
@@ -52,7 +53,7 @@ def make_classification_dataset(n: int, vocab: int, seed: int = 0) -> Dataset:
     return Dataset.from_dict(rows)
 
 
-def parse() -> argparse.Namespace:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True)
     p.add_argument("--out", required=True)
@@ -88,7 +89,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--merge-adapters", action="store_true")
     p.add_argument("--no-use-cpu", action="store_true", help="leave use_cpu off even without a GPU")
     p.add_argument("--kill-in-save", type=int, default=0, help="rank 1 SIGKILLs itself inside its N-th save")
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
 def kill_inside_save(nth: int) -> None:
@@ -151,8 +152,9 @@ def build_base(args: argparse.Namespace):
     return AutoModelForCausalLM.from_pretrained(args.model)
 
 
-def main() -> None:
-    args = parse()
+def train(argv: list[str]) -> None:
+    """One training run, described by worker flags; rank 0 writes OUT/result.json and OUT/weights.pt."""
+    args = parse(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     per_device = args.global_batch // (world * args.grad_accum)
     assert per_device * world * args.grad_accum == args.global_batch, "global batch must split evenly"
@@ -235,6 +237,18 @@ def main() -> None:
         torch.save({k: v.float() for k, v in weights.items()}, os.path.join(args.out, "weights.pt"))
         with open(os.path.join(args.out, "result.json"), "w") as f:
             json.dump(result, f)
+
+
+def main() -> None:
+    """One run from the command line, or with `--batch FILE` every run listed there (a JSON list of flag
+    lists), one after another in this process group: a launch costs more than a tiny run."""
+    if sys.argv[1:2] == ["--batch"]:
+        with open(sys.argv[2]) as f:
+            runs = json.load(f)
+        for argv in runs:
+            train(argv)
+    else:
+        train(sys.argv[1:])
     close_distributed()
 
 
