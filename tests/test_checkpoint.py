@@ -4,51 +4,88 @@ from __future__ import annotations
 
 import glob
 import os
-import shutil
 
 import pytest
 from transformers.trainer_utils import get_last_checkpoint
 
 from hf_fsdp2.checkpoint import read_metadata
-from tests.launch import load_result, run
+from tests.launch import load_result, run, run_batch
+from tests.workers.scenarios import ERROR_FILE
 
 MODEL = "llama_tied"
 STEPS = ("--save-steps", "2", "--steps", "6")
 
 
+def ckpt_run(out: str, *flags: str, model: str = MODEL) -> list[str]:
+    return ["--model", model, "--out", out, *STEPS, *flags]
+
+
+def resumed_from(out: str, source: str, checkpoint: str, *flags: str, model: str = MODEL) -> list[str]:
+    """A run that starts from a copy of `source`'s checkpoint and resumes the last one it finds."""
+    return ckpt_run(
+        out, "--seed-checkpoint", os.path.join(source, "run", checkpoint), "--resume", "last", *flags, model=model
+    )
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, tiny) -> str:
-    """An uninterrupted 2-rank run saving every 2 steps: the numbers every resume must reproduce."""
-    out = str(tmp_path_factory.mktemp("reference"))
-    run("train_worker.py", 2, "--model", tiny(MODEL), "--out", out, *STEPS)
+def runs(tmp_path_factory, tiny) -> dict[str, str]:
+    """Every run this module checks, in dependency order, one launch per world size and stage.
+
+    `reference` is an uninterrupted 2-rank run saving every 2 steps: the numbers every resume must reproduce.
+    """
+    root = tmp_path_factory.mktemp("checkpoints")
+    out = {
+        name: str(root / name)
+        for name in (
+            "reference",
+            "four",
+            "to4",
+            "to1",
+            "to2",
+            "four_to2",
+            "async",
+            "async_resumed",
+            "limit",
+            "mismatch",
+        )
+    }
+    model, other = tiny(MODEL), tiny("llama")
+    batches = str(root / "batches")
+    run_batch("train_worker.py", 2, [[*ckpt_run(out["reference"], model=model)]], batches)
+    run_batch(
+        "train_worker.py",
+        4,
+        [
+            ckpt_run(out["four"], "--grad-accum", "1", model=model),
+            resumed_from(out["to4"], out["reference"], "checkpoint-2", "--grad-accum", "1", model=model),
+        ],
+        batches,
+    )
+    run_batch("train_worker.py", 1, [resumed_from(out["to1"], out["reference"], "checkpoint-2", model=model)], batches)
+    run_batch(
+        "train_worker.py",
+        2,
+        [
+            resumed_from(out["to2"], out["reference"], "checkpoint-2", model=model),
+            resumed_from(out["four_to2"], out["four"], "checkpoint-4", model=model),
+            ckpt_run(out["async"], "--async-save", model=model),
+            resumed_from(out["async_resumed"], out["async"], "checkpoint-4", model=model),
+            ckpt_run(out["limit"], "--save-total-limit", "1", model=model),
+            resumed_from(out["mismatch"], out["reference"], "checkpoint-2", model=other),
+        ],
+        batches,
+    )
     return out
+
+
+@pytest.fixture(scope="module")
+def reference(runs) -> str:
+    return runs["reference"]
 
 
 def losses_by_step(out: str) -> dict[int, float]:
     result = load_result(out)
     return dict(zip(result["steps"], result["losses"], strict=True))
-
-
-def resume(tmp_path, tiny, reference: str, nproc: int, checkpoint: str = "checkpoint-2", *flags: str) -> dict:
-    """Copy one checkpoint of the reference run into a fresh folder and finish training from it."""
-    run_dir = tmp_path / "run"
-    run_dir.mkdir(parents=True)
-    shutil.copytree(os.path.join(reference, "run", checkpoint), run_dir / checkpoint)
-    run(
-        "train_worker.py",
-        nproc,
-        "--model",
-        tiny(MODEL),
-        "--out",
-        str(tmp_path),
-        "--run-dir",
-        str(run_dir),
-        "--resume",
-        "last",
-        *STEPS,
-        *flags,
-    )
-    return losses_by_step(str(tmp_path))
 
 
 def test_layout_is_accelerate_compatible_and_stores_tied_weights_once(reference):
@@ -78,21 +115,15 @@ def test_layout_is_accelerate_compatible_and_stores_tied_weights_once(reference)
     ]
 
 
-@pytest.mark.parametrize(
-    "nproc, extra, tol", [(2, (), 1e-6), (1, (), 1e-4), (4, ("--grad-accum", "1"), 1e-4)], ids=["2->2", "2->1", "2->4"]
-)
-def test_resume_continues_the_loss_curve(tmp_path, tiny, reference, nproc, extra, tol):
-    expected = losses_by_step(reference)
-    got = resume(tmp_path, tiny, reference, nproc, "checkpoint-2", *extra)
+@pytest.mark.parametrize("name, tol", [("to2", 1e-6), ("to1", 1e-4), ("to4", 1e-4)], ids=["2->2", "2->1", "2->4"])
+def test_resume_continues_the_loss_curve(runs, name, tol):
+    expected, got = losses_by_step(runs["reference"]), losses_by_step(runs[name])
     for step in (3, 4, 5, 6):
         assert abs(got[step] - expected[step]) <= tol, f"step {step}: {got[step]} vs {expected[step]}"
 
 
-def test_resume_from_four_ranks_on_two(tmp_path, tiny, reference):
-    four = tmp_path / "four"
-    run("train_worker.py", 4, "--model", tiny(MODEL), "--out", str(four), "--grad-accum", "1", *STEPS)
-    got = resume(tmp_path / "two", tiny, str(four), 2, "checkpoint-4")
-    expected = losses_by_step(reference)
+def test_resume_from_four_ranks_on_two(runs):
+    expected, got = losses_by_step(runs["reference"]), losses_by_step(runs["four_to2"])
     for step in (5, 6):
         assert abs(got[step] - expected[step]) <= 1e-4
 
@@ -114,40 +145,19 @@ def test_a_rank_killed_mid_save_leaves_only_complete_checkpoints(tmp_path, tiny,
     assert not os.path.exists(os.path.join(run_dir, ".checkpoint-4.incomplete")), "re-saving step 4 cleaned it"
 
 
-def test_async_save_trains_identically_and_resumes_exactly(tmp_path, tiny, reference):
-    out = tmp_path / "async"
-    run("train_worker.py", 2, "--model", tiny(MODEL), "--out", str(out), *STEPS, "--async-save")
-    assert losses_by_step(str(out)) == losses_by_step(reference)
-    assert get_last_checkpoint(str(out / "run")).endswith("checkpoint-6")
-    got = resume(tmp_path / "resumed", tiny, str(out), 2, "checkpoint-4")
-    expected = losses_by_step(reference)
+def test_async_save_trains_identically_and_resumes_exactly(runs):
+    assert losses_by_step(runs["async"]) == losses_by_step(runs["reference"])
+    assert get_last_checkpoint(os.path.join(runs["async"], "run")).endswith("checkpoint-6")
+    expected, got = losses_by_step(runs["reference"]), losses_by_step(runs["async_resumed"])
     for step in (5, 6):
         assert abs(got[step] - expected[step]) <= 1e-6
 
 
-def test_save_total_limit_rotates_checkpoints(tmp_path, tiny):
-    run("train_worker.py", 2, "--model", tiny(MODEL), "--out", str(tmp_path), *STEPS, "--save-total-limit", "1")
-    names = [n for n in os.listdir(tmp_path / "run") if n.startswith("checkpoint-")]
+def test_save_total_limit_rotates_checkpoints(runs):
+    names = [n for n in os.listdir(os.path.join(runs["limit"], "run")) if n.startswith("checkpoint-")]
     assert names == ["checkpoint-6"]
 
 
-def test_resuming_a_checkpoint_of_another_model_names_the_first_mismatch(tmp_path, tiny, reference):
-    run_dir = tmp_path / "run"
-    shutil.copytree(os.path.join(reference, "run", "checkpoint-2"), run_dir / "checkpoint-2")
-    proc = run(
-        "train_worker.py",
-        2,
-        "--model",
-        tiny("llama"),
-        "--out",
-        str(tmp_path),
-        "--run-dir",
-        str(run_dir),
-        "--resume",
-        "last",
-        *STEPS,
-        expect_ok=False,
-        timeout=300,
-    )
-    assert proc.returncode != 0
-    assert "the checkpoint has no lm_head.weight: it was saved from another model" in proc.stdout + proc.stderr
+def test_resuming_a_checkpoint_of_another_model_names_the_first_mismatch(runs):
+    with open(os.path.join(runs["mismatch"], ERROR_FILE)) as f:
+        assert "the checkpoint has no lm_head.weight: it was saved from another model" in f.read()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import pickle
@@ -122,9 +124,14 @@ def test_accelerate_format_checkpoint_with_tied_duplicates_consolidates(tiny, tm
 
 
 def cli_error(*args: str) -> str:
-    proc = subprocess.run([sys.executable, "-m", "hf_fsdp2.cli", "consolidate", *args], capture_output=True, text=True)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    return proc.stderr
+    """The CLI's error text, run in-process (test_cli_consolidates... runs the real entry point once)."""
+    from hf_fsdp2.cli import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        status = main(["consolidate", *args])
+    assert status == 2, err.getvalue()
+    return err.getvalue()
 
 
 def test_a_path_that_is_not_a_checkpoint(tmp_path, tiny):

@@ -11,12 +11,50 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 from transformers.trainer_utils import set_seed
 
-from tests.launch import run
+from tests.launch import run, run_batch
+from tests.workers.scenarios import ERROR_FILE
 
 
-def load(tmp_path, model: str, *flags: str, nproc: int = 2) -> tuple[dict, dict]:
-    out = str(tmp_path)
-    run("load_worker.py", nproc, "--model", model, "--out", out, *flags)
+def out_dir(root, model: str, flags: tuple[str, ...], nproc: int) -> str:
+    return os.path.join(str(root), f"{os.path.basename(model)}-{nproc}-{'-'.join(f.strip('-') for f in flags)}")
+
+
+def planned_loads(tiny) -> list[tuple[str, tuple[str, ...], int]]:
+    """Every load this module checks (model folder, flags, ranks), refusals included."""
+    bin_llama = tiny("llama", safetensors=False)
+    loads = [(tiny(m), ("--route", r), 2) for m in ("llama_tied", "gpt2") for r in ROUTES]
+    loads += [
+        (bin_llama, ("--route", "from_pretrained"), 2),
+        (bin_llama, ("--route", "from_pretrained", "--lora"), 2),
+        (tiny("llama"), ("--route", "from_pretrained", "--task", "classify"), 2),
+        (tiny("llama"), ("--bf16",), 2),
+        (tiny("llama"), ("--hsdp", "2"), 4),
+        (tiny("llama"), ("--route", "meta_object"), 2),
+        (tiny("llama"), ("--rank1-min-params", "5"), 2),
+        (tiny("llama"), ("--hsdp", "3"), 2),
+    ]
+    if not torch.cuda.is_available():
+        loads.append((tiny("llama"), ("--offload",), 2))
+    return loads
+
+
+@pytest.fixture(scope="module")
+def loads_root(tmp_path_factory, tiny) -> str:
+    """Run every planned load, one launch per world size (each run's refusal lands in its error.txt)."""
+    root = tmp_path_factory.mktemp("loads")
+    by_world: dict[int, list[list[str]]] = {}
+    for model, flags, nproc in planned_loads(tiny):
+        by_world.setdefault(nproc, []).append(["--model", model, "--out", out_dir(root, model, flags, nproc), *flags])
+    for nproc, runs in by_world.items():
+        run_batch("load_worker.py", nproc, runs, str(root / "batches"))
+    return str(root)
+
+
+def load(root, model: str, *flags: str, nproc: int = 2) -> tuple[dict, dict]:
+    """What a planned load produced (or, for one not planned, load now)."""
+    out = out_dir(root, model, flags, nproc)
+    if not os.path.exists(os.path.join(out, "info.json")):
+        run("load_worker.py", nproc, "--model", model, "--out", out, *flags)
     with open(os.path.join(out, "info.json")) as f:
         return torch.load(os.path.join(out, "state.pt")), json.load(f)
 
@@ -38,54 +76,62 @@ def assert_exactly(state: dict, ref: dict) -> None:
         assert torch.equal(state[key], value.to(state[key].dtype)), f"{key} differs"
 
 
-@pytest.mark.parametrize("route", ["path", "from_pretrained", "object", "object_rank0"])
+ROUTES = ["path", "from_pretrained", "object", "object_rank0"]
+
+
+@pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("model", ["llama_tied", "gpt2"])
-def test_every_route_loads_exactly_what_from_pretrained_loads(tmp_path, tiny, route, model):
-    state, info = load(tmp_path, tiny(model), "--route", route)
+def test_every_route_loads_exactly_what_from_pretrained_loads(loads_root, tiny, route, model):
+    state, info = load(loads_root, tiny(model), "--route", route)
     assert_exactly(state, reference(tiny(model)))
     assert info["tied"] and info["sharded"]
     assert info["num_params"] == len(list(AutoModelForCausalLM.from_pretrained(tiny(model)).parameters()))
 
 
-def test_bin_checkpoints_load_through_rank0_broadcast(tmp_path, tiny):
+def test_bin_checkpoints_load_through_rank0_broadcast(loads_root, tiny):
     path = tiny("llama", safetensors=False)
-    state, info = load(tmp_path, path, "--route", "from_pretrained")
+    state, info = load(loads_root, path, "--route", "from_pretrained")
     assert_exactly(state, reference(path))
 
 
-def test_lora_on_a_bin_skeleton_loads_through_rank0_exactly_as_peft_on_one_process(tmp_path, tiny):
+def test_lora_on_a_bin_skeleton_loads_through_rank0_exactly_as_peft_on_one_process(loads_root, tiny):
     from peft import LoraConfig, get_peft_model
 
     from tests.workers.load_worker import LORA_KWARGS
 
     path = tiny("llama", safetensors=False)
-    state, info = load(tmp_path, path, "--route", "from_pretrained", "--lora")
+    state, info = load(loads_root, path, "--route", "from_pretrained", "--lora")
     set_seed(42)
     ref = get_peft_model(AutoModelForCausalLM.from_pretrained(path), LoraConfig(**LORA_KWARGS)).state_dict()
     assert any("lora_A" in k for k in ref)
     assert_exactly(state, ref)
 
 
-def test_sequence_classification_head_missing_from_checkpoint_matches_from_pretrained(tmp_path, tiny):
-    state, info = load(tmp_path, tiny("llama"), "--route", "from_pretrained", "--task", "classify")
+def test_sequence_classification_head_missing_from_checkpoint_matches_from_pretrained(loads_root, tiny):
+    state, info = load(loads_root, tiny("llama"), "--route", "from_pretrained", "--task", "classify")
     ref = reference(tiny("llama"), AutoModelForSequenceClassification, num_labels=3)
     assert "score.weight" in ref
     assert_exactly(state, ref)
 
 
-def test_hsdp_on_four_ranks_loads_exactly(tmp_path, tiny):
-    state, _ = load(tmp_path, tiny("llama"), "--hsdp", "2", nproc=4)
+def test_hsdp_on_four_ranks_loads_exactly(loads_root, tiny):
+    state, _ = load(loads_root, tiny("llama"), "--hsdp", "2", nproc=4)
     assert_exactly(state, reference(tiny("llama")))
 
 
-def test_bf16_keeps_fp32_masters(tmp_path, tiny):
-    state, info = load(tmp_path, tiny("llama"), "--bf16")
+def test_bf16_keeps_fp32_masters(loads_root, tiny):
+    state, info = load(loads_root, tiny("llama"), "--bf16")
     assert info["dtypes"] == ["torch.float32"]
     assert_exactly(state, reference(tiny("llama")))
 
 
-def _fails(tmp_path, model: str, *flags: str, nproc: int = 2) -> str:
-    proc = run("load_worker.py", nproc, "--model", model, "--out", str(tmp_path), *flags, expect_ok=False, timeout=300)
+def _fails(root, model: str, *flags: str, nproc: int = 2) -> str:
+    """The error of a planned load that must be refused (or, for one not planned, of a launch now)."""
+    error = os.path.join(out_dir(root, model, flags, nproc), ERROR_FILE)
+    if os.path.exists(error):
+        with open(error) as f:
+            return f.read()
+    proc = run("load_worker.py", nproc, "--model", model, "--out", str(root), *flags, expect_ok=False, timeout=300)
     assert proc.returncode != 0
     return proc.stdout + proc.stderr
 
@@ -108,24 +154,24 @@ def test_checkpoint_of_another_model_names_the_first_mismatching_key(tmp_path, t
     )
 
 
-def test_rank0_without_real_weights_is_refused_on_every_rank(tmp_path, tiny):
-    output = _fails(tmp_path, tiny("llama"), "--route", "meta_object")
+def test_rank0_without_real_weights_is_refused_on_every_rank(loads_root, tiny):
+    output = _fails(loads_root, tiny("llama"), "--route", "meta_object")
     assert "rank 0: rank 0's model has model.embed_tokens.weight on the meta device" in output
 
 
-def test_ranks_with_different_configs_fail_naming_the_rank(tmp_path, tiny):
-    output = _fails(tmp_path, tiny("llama"), "--rank1-min-params", "5")
+def test_ranks_with_different_configs_fail_naming_the_rank(loads_root, tiny):
+    output = _fails(loads_root, tiny("llama"), "--rank1-min-params", "5")
     assert "rank 1 has a different FSDP2Config than rank 0" in output
 
 
-def test_hsdp_size_that_does_not_divide_the_world_is_refused(tmp_path, tiny):
-    output = _fails(tmp_path, tiny("llama"), "--hsdp", "3")
+def test_hsdp_size_that_does_not_divide_the_world_is_refused(loads_root, tiny):
+    output = _fails(loads_root, tiny("llama"), "--hsdp", "3")
     assert "hsdp_replicate_size=3 does not divide the world size 2" in output
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU offload is valid with an accelerator")
-def test_cpu_offload_without_an_accelerator_is_refused(tmp_path, tiny):
-    output = _fails(tmp_path, tiny("llama"), "--offload")
+def test_cpu_offload_without_an_accelerator_is_refused(loads_root, tiny):
+    output = _fails(loads_root, tiny("llama"), "--offload")
     assert "cpu_offload=True moves shards from an accelerator to host memory" in output
 
 

@@ -14,12 +14,13 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, TrainingArguments, set_seed
 
 from hf_fsdp2 import FSDP2Config, FSDP2Trainer, close_distributed, from_pretrained
+from tests.workers.scenarios import main_with_batches
 
 LORA_KWARGS = dict(r=4, target_modules=["q_proj", "v_proj"])
 CLASSES = {"causal": AutoModelForCausalLM, "classify": AutoModelForSequenceClassification}
 
 
-def parse() -> argparse.Namespace:
+def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True)
     p.add_argument("--out", required=True)
@@ -32,7 +33,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--offload", action="store_true")
     p.add_argument("--lora", action="store_true", help="wrap the model with peft LoRA (q_proj, v_proj)")
     p.add_argument("--rank1-min-params", type=int, default=None, help="give rank 1 a different config")
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
 def build(args: argparse.Namespace, rank: int):
@@ -51,8 +52,9 @@ def build(args: argparse.Namespace, rank: int):
     return auto.from_pretrained(args.model, **kwargs)
 
 
-def main() -> None:
-    args = parse()
+def load(argv: list[str]) -> None:
+    """Build, shard and load one model as the flags say; rank 0 writes OUT/state.pt and OUT/info.json."""
+    args = parse(argv)
     rank = int(os.environ.get("RANK", "0"))
     min_params = args.rank1_min_params if (args.rank1_min_params and rank == 1) else 100_000_000
     config = FSDP2Config(hsdp_replicate_size=args.hsdp, min_num_params=min_params, cpu_offload=args.offload)
@@ -81,6 +83,10 @@ def main() -> None:
         torch.save({**state, **buffers}, os.path.join(args.out, "state.pt"))
         with open(os.path.join(args.out, "info.json"), "w") as f:
             json.dump(info, f)
+
+
+def main() -> None:
+    main_with_batches(load)
     close_distributed()
 
 

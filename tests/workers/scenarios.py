@@ -53,3 +53,30 @@ def run_scenarios(scenarios: dict[str, Callable[[], dict[str, Any]]], chosen: li
         with open(result_file, "w") as f:
             json.dump(results, f)
     assert all(math.isfinite(v) for r in results.values() for v in r.get("losses", []))
+
+
+def main_with_batches(run_one: Callable[[list[str]], None]) -> None:
+    """Run the worker once with its command-line flags, or with `--batch FILE` once per flag list in that
+    JSON file, one after another in this process group (a launch costs more than a tiny run).
+
+    In a batch, a run that raises (on every rank alike: the refusals under test do) leaves its message in
+    OUT/error.txt and the batch goes on.
+    """
+    if sys.argv[1:2] != ["--batch"]:
+        run_one(sys.argv[1:])
+        return
+    with open(sys.argv[2]) as f:
+        runs = json.load(f)
+    for argv in runs:
+        try:
+            run_one(argv)
+        except Exception as error:
+            out = argv[argv.index("--out") + 1]
+            os.makedirs(out, exist_ok=True)
+            if int(os.environ.get("RANK", "0")) == 0:
+                with open(os.path.join(out, ERROR_FILE), "w") as f:
+                    f.write(f"{type(error).__name__}: {error}\n{traceback.format_exc()}")
+            print(traceback.format_exc(), file=sys.stderr, flush=True)
+
+
+ERROR_FILE = "error.txt"

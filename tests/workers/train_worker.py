@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
 import torch
 from datasets import Dataset
@@ -19,6 +18,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from hf_fsdp2 import FSDP2Config, FSDP2Trainer, close_distributed, from_pretrained
 from tests.tiny_models import tiny_tokenizer
+from tests.workers.scenarios import main_with_batches
 
 SEQ = 16
 
@@ -88,6 +88,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--modules-to-save", default=None, help="comma-separated, e.g. score")
     p.add_argument("--merge-adapters", action="store_true")
     p.add_argument("--no-use-cpu", action="store_true", help="leave use_cpu off even without a GPU")
+    p.add_argument("--seed-checkpoint", default=None, help="copy this checkpoint-N folder into the run dir first")
     p.add_argument("--kill-in-save", type=int, default=0, help="rank 1 SIGKILLs itself inside its N-th save")
     return p.parse_args(argv)
 
@@ -112,6 +113,20 @@ def kill_inside_save(nth: int) -> None:
         return future
 
     FileSystemWriter.write_data = write_then_die
+
+
+def seed_checkpoint(checkpoint: str, run_dir: str) -> None:
+    """Start a run from a copy of another run's checkpoint (rank 0 copies; every rank waits for it)."""
+    import shutil
+
+    import torch.distributed as dist
+
+    from hf_fsdp2.distributed import init_distributed
+
+    init_distributed()
+    if dist.get_rank() == 0:
+        shutil.copytree(checkpoint, os.path.join(run_dir, os.path.basename(checkpoint)))
+    dist.barrier()
 
 
 def build_model(args: argparse.Namespace):
@@ -155,6 +170,8 @@ def build_base(args: argparse.Namespace):
 def train(argv: list[str]) -> None:
     """One training run, described by worker flags; rank 0 writes OUT/result.json and OUT/weights.pt."""
     args = parse(argv)
+    if args.seed_checkpoint:
+        seed_checkpoint(args.seed_checkpoint, args.run_dir or os.path.join(args.out, "run"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     per_device = args.global_batch // (world * args.grad_accum)
     assert per_device * world * args.grad_accum == args.global_batch, "global batch must split evenly"
@@ -240,15 +257,7 @@ def train(argv: list[str]) -> None:
 
 
 def main() -> None:
-    """One run from the command line, or with `--batch FILE` every run listed there (a JSON list of flag
-    lists), one after another in this process group: a launch costs more than a tiny run."""
-    if sys.argv[1:2] == ["--batch"]:
-        with open(sys.argv[2]) as f:
-            runs = json.load(f)
-        for argv in runs:
-            train(argv)
-    else:
-        train(sys.argv[1:])
+    main_with_batches(train)
     close_distributed()
 
 
