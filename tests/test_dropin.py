@@ -63,6 +63,7 @@ SCENARIOS = [
     "gradient_checkpointing_and_auto_batch",
     "subclass",
     "seq2seq_own_loss",
+    "hyperparameter_search",
     "torch_compile",
 ]
 

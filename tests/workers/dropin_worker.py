@@ -359,6 +359,27 @@ def clip() -> dict[str, Any]:
     return {"losses": losses(trainer), "weights": full_weights(trainer.model), "per_rank": {"logit_scale": every_rank}}
 
 
+def hyperparameter_search() -> dict[str, Any]:
+    """Trainer.hyperparameter_search with optuna (seeded sampler): every trial's model comes from model_init."""
+    import optuna
+
+    trainer = TrainerClass(
+        model_init=lambda trial=None: AutoModelForCausalLM.from_pretrained(LLAMA),
+        args=args("hp_search", max_steps=2),
+        train_dataset=make_dataset(16, 96),
+        eval_dataset=make_dataset(8, 96, seed=1),
+    )
+    best = trainer.hyperparameter_search(
+        direction="minimize",
+        backend="optuna",
+        n_trials=2,
+        hp_space=lambda trial: {"learning_rate": trial.suggest_float("learning_rate", 1e-4, 1e-2, log=True)},
+        sampler=optuna.samplers.TPESampler(seed=0),
+    )
+    # Trainer runs the study on rank 0 only; the other ranks follow its trials.
+    return {"objective": best.objective, "learning_rate": best.hyperparameters["learning_rate"]} if RANK == 0 else {}
+
+
 def torch_compile() -> dict[str, Any]:
     """torch_compile=True in TrainingArguments."""
     trainer = TrainerClass(
@@ -411,6 +432,7 @@ SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {
         subclass,
         seq2seq_own_loss,
         clip,
+        hyperparameter_search,
         torch_compile,
     )
 }
