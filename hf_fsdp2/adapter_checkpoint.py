@@ -48,7 +48,11 @@ def adapter_state(model: nn.Module, adapter: str) -> dict[str, torch.Tensor]:
 
 
 def check_trainable_are_saved(model: nn.Module) -> None:
-    """Raise ValueError if a trainable parameter is in no adapter file (adapter-only checkpoints would drop it)."""
+    """Raise ValueError if a trainable parameter is in no adapter file (adapter-only checkpoints would drop it).
+
+    Raises:
+        ValueError: when a trainable parameter is not part of any PEFT adapter's saved state.
+    """
     saved = {id(t) for adapter in model.peft_config for t in adapter_state(model, adapter).values()}
     for name, param in model.named_parameters():
         if param.requires_grad and id(param) not in saved:
@@ -85,7 +89,11 @@ def save_adapter(model: nn.Module, directory: str) -> int:
 
 
 def load_adapter(model: nn.Module, directory: str) -> None:
-    """Fill every adapter of the sharded `model` from peft files in `directory` (written by any world size)."""
+    """Fill every adapter of the sharded `model` from peft files in `directory` (written by any world size).
+
+    Raises:
+        ValueError: when `directory` lacks an adapter's weights file, or its tensors' names or shapes differ.
+    """
     for adapter in model.peft_config:
         folder = adapter_dir(directory, adapter)
         path = os.path.join(folder, ADAPTER_WEIGHTS)
@@ -137,7 +145,11 @@ MergeFn = Callable[[str, torch.Tensor], torch.Tensor]
 
 def check_mergeable(model: nn.Module) -> tuple[str, dict[str, nn.Module]]:
     """Raise ValueError if the active adapter cannot be merged here; else return it and its LoRA layers
-    by base-weight name. Run it before training too, so a bad combination fails before the run, not after."""
+    by base-weight name. Run it before training too, so a bad combination fails before the run, not after.
+
+    Raises:
+        ValueError: when not exactly one adapter is active, it is not plain LoRA, or it targets a tied weight.
+    """
     from peft.tuners.lora import LoraLayer
 
     adapter = active_adapter(model)

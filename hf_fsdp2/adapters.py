@@ -59,7 +59,11 @@ def base_name(name: str) -> str:
 
 
 def check_replayable(model: nn.Module) -> None:
-    """Raise ValueError when the adapters' initial values depend on base weights a skeleton does not have."""
+    """Raise ValueError when the adapters' initial values depend on base weights a skeleton does not have.
+
+    Raises:
+        ValueError: when an adapter uses DoRA or a weight-dependent `init_lora_weights` (PiSSA, OLoRA, ...).
+    """
     for adapter, config in model.peft_config.items():
         reason = _weight_dependent_init(config)
         if reason:
@@ -112,7 +116,11 @@ def _weightless(model: nn.Module) -> nn.Module:
 def replayed_adapter_values(model: nn.Module, base: nn.Module, names: list[str]) -> dict[str, torch.Tensor]:
     """The values peft gave the adapter tensors `names` of a skeleton-based `model` (call under the skeleton's RNG).
 
-    `base` is a fresh meta skeleton of the unwrapped model; it is turned into the stand-in peft runs on."""
+    `base` is a fresh meta skeleton of the unwrapped model; it is turned into the stand-in peft runs on.
+
+    Raises:
+        ValueError: when an adapter's init depends on base weights, or the replay gives another shape or dtype.
+    """
     check_replayable(model)
     replayed = replay_adapters(_weightless(base), model)
     values = {**dict(replayed.named_parameters()), **dict(replayed.named_buffers())}
@@ -135,7 +143,11 @@ def _describe(tensor: torch.Tensor | None) -> str:
 
 
 def active_adapter(model: nn.Module) -> str:
-    """The one active adapter (merging and exporting several at once is ambiguous)."""
+    """The one active adapter (merging and exporting several at once is ambiguous).
+
+    Raises:
+        ValueError: when no adapter or more than one adapter is active.
+    """
     active: Any = model.active_adapter
     names = [active] if isinstance(active, str) else list(active)
     if len(names) != 1:

@@ -55,6 +55,11 @@ class _MetadataUnpickler(pickle.Unpickler):
     """Unpickle DCP metadata, refusing every class that DCP metadata does not consist of."""
 
     def find_class(self, module: str, name: str) -> Any:
+        """Return the global `module.name` if DCP metadata may hold it.
+
+        Raises:
+            pickle.UnpicklingError: when `module.name` is not on the allowlist of DCP metadata classes.
+        """
         allowed = (
             module.startswith("torch.distributed.checkpoint.")
             or (module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)))
@@ -108,7 +113,11 @@ def model_dir(checkpoint: str) -> str:
 
 
 def validate_checkpoint(checkpoint: str) -> str:
-    """Return the model DCP folder of `checkpoint`, or raise ValueError saying what is wrong with it."""
+    """Return the model DCP folder of `checkpoint`, or raise ValueError saying what is wrong with it.
+
+    Raises:
+        ValueError: when `checkpoint` is not a directory, is adapter-only, or has no complete model folder.
+    """
     if not os.path.isdir(checkpoint):
         raise ValueError(f"{checkpoint} is not a directory; pass a checkpoint-N folder or its {MODEL_DIR}.")
     directory = model_dir(checkpoint)
@@ -133,7 +142,11 @@ def validate_checkpoint(checkpoint: str) -> str:
 
 
 def read_metadata(directory: str) -> Metadata:
-    """Read a DCP folder's metadata safely."""
+    """Read a DCP folder's metadata safely.
+
+    Raises:
+        ValueError: when the metadata file is truncated or corrupt, or names a class outside the allowlist.
+    """
     try:
         return SafeFileSystemReader(directory).read_metadata()
     except (pickle.UnpicklingError, EOFError, AttributeError) as error:
@@ -141,7 +154,11 @@ def read_metadata(directory: str) -> Metadata:
 
 
 def check_compatible(metadata: Metadata, state: dict[str, torch.Tensor], prefix: str) -> None:
-    """Raise ValueError naming the first tensor the checkpoint lacks or holds with another shape."""
+    """Raise ValueError naming the first tensor the checkpoint lacks or holds with another shape.
+
+    Raises:
+        ValueError: when the checkpoint lacks a tensor of `state` or holds it with another shape.
+    """
     stored = metadata.state_dict_metadata
     for name, tensor in state.items():
         key = f"{prefix}.{name}"
@@ -271,7 +288,11 @@ def resume_model(model: nn.Module, checkpoint: str) -> None:
 
 
 def resume_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, checkpoint: str) -> None:
-    """Restore the optimizer state of the sharded parameters from a checkpoint."""
+    """Restore the optimizer state of the sharded parameters from a checkpoint.
+
+    Raises:
+        ValueError: when `checkpoint` has no complete optimizer_0 folder or its files cannot be read.
+    """
     directory = os.path.join(checkpoint, OPTIMIZER_DIR)
     if not os.path.isfile(os.path.join(directory, METADATA_FILE)):
         raise ValueError(
@@ -284,7 +305,11 @@ def resume_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, checkpo
 
 
 def load_in_place(state: dict[str, Any], directory: str, reader: SafeFileSystemReader | None = None) -> None:
-    """DCP-load into `state`'s tensors, turning any read failure into an error that names the folder."""
+    """DCP-load into `state`'s tensors, turning any read failure into an error that names the folder.
+
+    Raises:
+        ValueError: when reading from `directory` fails (a corrupted, truncated or missing .distcp file).
+    """
     reader = reader if reader is not None else SafeFileSystemReader(directory)
     try:
         with warnings.catch_warnings():

@@ -62,7 +62,12 @@ def consolidate(
     dtype: str | None = None,
     overwrite: bool = False,
 ) -> str:
-    """Turn a sharded checkpoint (ours or Trainer + Accelerate's) into a `from_pretrained`-ready folder."""
+    """Turn a sharded checkpoint (ours or Trainer + Accelerate's) into a `from_pretrained`-ready folder.
+
+    Raises:
+        ValueError: when the checkpoint is incomplete, corrupt, or has no model tensors or config.json, or
+            `output_dir` is not empty and `overwrite` is False.
+    """
     directory = validate_checkpoint(checkpoint_dir)
     target = resolve_dtype(dtype)
     stored = {
@@ -172,6 +177,9 @@ def save_pretrained_sharded(
     A PEFT model is written as its adapter folder (`PeftModel.from_pretrained` loads it), or with
     `merge_adapters` as the full model with the active LoRA adapter merged into copies of the base weights.
     NOTE: collective; every rank must call it. Only rank 0 holds a full tensor, one at a time, and writes.
+
+    Raises:
+        ValueError: when `merge_adapters` is set without PEFT adapters, or the active adapter cannot be merged.
     """
     reshard_all(model)
     peft = is_peft_model(model)

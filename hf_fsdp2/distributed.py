@@ -107,7 +107,11 @@ def _release_mesh_groups() -> None:
 
 
 def build_mesh(replicate_size: int = 1) -> DeviceMesh:
-    """Build the 1-D shard mesh, or the 2-D (replicate, shard) mesh for HSDP."""
+    """Build the 1-D shard mesh, or the 2-D (replicate, shard) mesh for HSDP.
+
+    Raises:
+        ValueError: when `replicate_size` does not divide the world size.
+    """
     world = dist.get_world_size()
     device_type = get_device().type
     if replicate_size == 1:
@@ -148,6 +152,9 @@ def check_same_on_all_ranks(what: str, value: Any) -> None:
     """Fail on every rank, naming the first rank that differs, when ranks disagree about `value`.
 
     NOTE: run before any sharding collective, so a mismatched config fails loudly instead of hanging.
+
+    Raises:
+        ValueError: when a rank's `value` differs from rank 0's (ranks run different scripts or arguments).
     """
     world = dist.get_world_size()
     if world == 1:
@@ -175,7 +182,11 @@ def first_on_any_rank(value: Any) -> tuple[int, Any]:
 
 
 def raise_if_any_rank(problem: Any) -> None:
-    """Raise the first rank's problem on every rank, so a failure on one rank never leaves others waiting."""
+    """Raise the first rank's problem on every rank, so a failure on one rank never leaves others waiting.
+
+    Raises:
+        ValueError: when any rank passed a problem; the message names the lowest such rank and its problem.
+    """
     rank, found = first_on_any_rank(problem)
     if found:
         raise ValueError(f"rank {rank}: {found}")

@@ -56,7 +56,11 @@ class TensorSpec:
 
 
 def parse_size(size: str | int) -> int:
-    """Turn '5GB', '500MB' or a byte count into bytes."""
+    """Turn '5GB', '500MB' or a byte count into bytes.
+
+    Raises:
+        ValueError: when `size` is a string that is not a size such as '5GB' or '500MB'.
+    """
     if isinstance(size, int):
         return size
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B)\s*", size.upper())
@@ -119,7 +123,12 @@ class SafetensorsStream:
         self.pending: Future | None = None
 
     def write(self, tensor: torch.Tensor) -> None:
-        """Append the next planned tensor's bytes (cast to the planned dtype)."""
+        """Append the next planned tensor's bytes (cast to the planned dtype).
+
+        Raises:
+            RuntimeError: when `tensor`'s shape differs from the next planned tensor's.
+            OSError: when the previous background sync failed (e.g. a full disk).
+        """
         spec = self.specs[self.next]
         if tuple(tensor.shape) != spec.shape:
             raise RuntimeError(f"{spec.name}: got shape {tuple(tensor.shape)}, planned {spec.shape}")
@@ -141,6 +150,12 @@ class SafetensorsStream:
             self.pending = None
 
     def close(self) -> None:
+        """Check that every planned tensor was written, sync the file to disk and close it.
+
+        Raises:
+            RuntimeError: when fewer tensors were written than planned.
+            OSError: when syncing the file to disk fails (e.g. a full disk).
+        """
         try:
             if self.next != len(self.specs):
                 raise RuntimeError(f"only {self.next} of {len(self.specs)} tensors were written")
@@ -190,7 +205,11 @@ def staging_dir(final: str) -> str:
 
 
 def prepare_output(output_dir: str, overwrite: bool) -> str:
-    """Refuse a non-empty output folder unless `overwrite`; return the staging folder to write into."""
+    """Refuse a non-empty output folder unless `overwrite`; return the staging folder to write into.
+
+    Raises:
+        ValueError: when `output_dir` is a file, or a non-empty folder and `overwrite` is False.
+    """
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         raise ValueError(f"{output_dir} exists and is not a directory.")
     if os.path.isdir(output_dir) and os.listdir(output_dir) and not overwrite:

@@ -92,7 +92,11 @@ def _candidates(name: str, prefix: str) -> list[str]:
 
 
 def plan_safetensors_load(model: nn.Module, checkpoint_shapes: dict[str, torch.Size]) -> SafetensorsPlan:
-    """Match model tensors to checkpoint keys; raise ValueError naming the first shape mismatch."""
+    """Match model tensors to checkpoint keys; raise ValueError naming the first shape mismatch.
+
+    Raises:
+        ValueError: when a checkpoint tensor's shape differs from the model's (another model or config).
+    """
     plan = SafetensorsPlan()
     prefix = getattr(model, "base_model_prefix", "")
     tuner = adapter_prefix(model)
@@ -137,6 +141,9 @@ def init_missing(model: nn.Module, missing: list[str]) -> dict[str, torch.Tensor
     Every rank runs this with the same seed, so every rank computes the same full values. Only the missing
     tensors get storage; everything else stays on meta and is flagged as loaded, so `initialize_weights`
     draws random numbers for the same tensors, in the same order, as `from_pretrained`.
+
+    Raises:
+        ValueError: when `model` is not a PreTrainedModel but has missing tensors or non-persistent buffers.
     """
     buffers = _non_persistent_buffers(model)
     if not missing and not buffers:

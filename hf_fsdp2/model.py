@@ -47,6 +47,10 @@ def prepare_model(model: nn.Module, config: FSDP2Config, bf16: bool = False, fp1
 
     A model this function already sharded (a second trainer on the same model) is returned as it is when
     it was sharded the same way; otherwise ValueError names what differs.
+
+    Raises:
+        ValueError: when cpu_offload=True without an accelerator, the config is invalid or differs across
+            ranks, or `model` was already sharded another way.
     """
     init_distributed()
     check_same_on_all_ranks("FSDP2Config", config.to_summary())

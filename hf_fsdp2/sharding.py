@@ -68,7 +68,11 @@ def _size_based_units(model: nn.Module, min_num_params: int, groups: list[set[in
 
 
 def select_units(model: nn.Module, config: FSDP2Config) -> list[nn.Module]:
-    """Return the modules to shard as their own units, deepest first (the root is always sharded last)."""
+    """Return the modules to shard as their own units, deepest first (the root is always sharded last).
+
+    Raises:
+        ValueError: when the wrap policy is unknown, named block classes match nothing, or a unit splits a tie.
+    """
     groups = _tie_owner_groups(model)
     policy = config.auto_wrap_policy
     if callable(policy):
@@ -133,7 +137,11 @@ def _post_order(model: nn.Module) -> list[nn.Module]:
 
 
 def mixed_precision_policy(config: FSDP2Config, bf16: bool, fp16: bool) -> MixedPrecisionPolicy:
-    """Resolve compute and reduce dtypes from the config, defaulting from TrainingArguments' bf16."""
+    """Resolve compute and reduce dtypes from the config, defaulting from TrainingArguments' bf16.
+
+    Raises:
+        ValueError: when `fp16` is True (FSDP2 has no sharded loss scaling; use bf16).
+    """
     if fp16:
         raise ValueError(
             "TrainingArguments(fp16=True) is not supported with FSDP2 (no sharded loss scaling); use bf16=True."

@@ -120,7 +120,11 @@ class Structure:
         return cls(tie_groups(model), len(list(model.parameters())))
 
     def verify(self, model: nn.Module) -> None:
-        """Raise RuntimeError naming what broke: a meta tensor, an untied weight, an extra parameter."""
+        """Raise RuntimeError naming what broke: a meta tensor, an untied weight, an extra parameter.
+
+        Raises:
+            RuntimeError: when a tensor stayed on meta, a tie broke, or the number of parameters changed.
+        """
         name = first_meta_tensor(model)
         if name is not None:
             raise RuntimeError(

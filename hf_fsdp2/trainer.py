@@ -389,7 +389,11 @@ def _check_world_size(args: TrainingArguments) -> None:
 
 
 def repoint_optimizer(optimizer: torch.optim.Optimizer, original_names: dict[int, str], model: nn.Module) -> None:
-    """Point an optimizer built over the unsharded parameters at the sharded ones, by name."""
+    """Point an optimizer built over the unsharded parameters at the sharded ones, by name.
+
+    Raises:
+        ValueError: when the optimizer has already stepped or holds a parameter that is not the model's.
+    """
     if optimizer.state:
         raise ValueError(
             "the optimizer passed in `optimizers` already has state (it has stepped); pass a fresh optimizer."
