@@ -149,8 +149,13 @@ def read_metadata(directory: str) -> Metadata:
     """
     try:
         return SafeFileSystemReader(directory).read_metadata()
-    except (pickle.UnpicklingError, EOFError, AttributeError) as error:
-        raise ValueError(f"{directory}/{METADATA_FILE} is not valid DCP metadata: {error}") from error
+    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError, IndexError) as error:
+        # NOTE: garbage in the file surfaces as whatever the unpickler trips on (e.g. "invalid literal for
+        # int()"), so every parse failure is reported as what it is: an unreadable metadata file.
+        raise ValueError(
+            f"{directory}/{METADATA_FILE} is not valid DCP metadata (truncated or corrupted): "
+            f"{type(error).__name__}: {error}"
+        ) from error
 
 
 def check_compatible(metadata: Metadata, state: dict[str, torch.Tensor], prefix: str) -> None:

@@ -65,6 +65,7 @@ from .config import FSDP2Config
 from .consolidate import save_pretrained_sharded, write_model_files
 from .distributed import init_distributed, is_rank0, log_rank0
 from .model import clip_grad_norm, prepare_model
+from .resume import find_resume_checkpoint
 from .sharding import reshard_all
 from .skeleton import from_pretrained
 
@@ -114,6 +115,13 @@ class FSDP2Mixin:
         kwargs = {k: v for k, v in (init_kwargs or {}).items() if k not in _PLACEMENT_KWARGS}
         kwargs.setdefault("dtype", "float32")
         return from_pretrained(path, **kwargs)
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        """Trainer's train(); `resume_from_checkpoint="auto"` resumes from the newest readable checkpoint in
+        output_dir if there is one and starts fresh otherwise, so one command serves every (re)launch."""
+        if resume_from_checkpoint == "auto":
+            resume_from_checkpoint = find_resume_checkpoint(self.args.output_dir)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def create_accelerator_and_postprocess(self) -> None:
         """Shard the model when Trainer first sees it, then let Accelerate shard extra models too."""

@@ -36,19 +36,21 @@ def run(script: str, nproc: int, *args: str, timeout: int = 600, expect_ok: bool
     return proc
 
 
-def run_batch(script: str, nproc: int, runs: list[list[str]], workdir: str, timeout: int = 1200) -> None:
+def run_batch(
+    script: str, nproc: int, runs: list[list[str]], workdir: str, timeout: int = 1200
+) -> subprocess.CompletedProcess | None:
     """Run many invocations of a worker that accepts `--batch FILE` in one launch (one process group).
 
     A launch (interpreter, imports, rendezvous) costs more than a tiny training run, so tests plan their
     runs up front and start each world size once.
     """
     if not runs:
-        return
+        return None
     os.makedirs(workdir, exist_ok=True)
     path = os.path.join(workdir, f"batch-{nproc}-{len(os.listdir(workdir))}.json")
     with open(path, "w") as f:
         json.dump(runs, f)
-    run(script, nproc, "--batch", path, timeout=timeout)
+    return run(script, nproc, "--batch", path, timeout=timeout)
 
 
 def load_result(out: str) -> dict[str, Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import os
+import shutil
 
 import pytest
 from transformers.trainer_utils import get_last_checkpoint
@@ -47,6 +48,8 @@ def runs(tmp_path_factory, tiny) -> dict[str, str]:
             "async_resumed",
             "limit",
             "mismatch",
+            "auto_fresh",
+            "auto_fallback",
         )
     }
     model, other = tiny(MODEL), tiny("llama")
@@ -62,7 +65,8 @@ def runs(tmp_path_factory, tiny) -> dict[str, str]:
         batches,
     )
     run_batch("train_worker.py", 1, [resumed_from(out["to1"], out["reference"], "checkpoint-2", model=model)], batches)
-    run_batch(
+    damaged_copy(out["reference"], os.path.join(out["auto_fallback"], "run"))
+    last = run_batch(
         "train_worker.py",
         2,
         [
@@ -72,10 +76,24 @@ def runs(tmp_path_factory, tiny) -> dict[str, str]:
             resumed_from(out["async_resumed"], out["async"], "checkpoint-4", model=model),
             ckpt_run(out["limit"], "--save-total-limit", "1", model=model),
             resumed_from(out["mismatch"], out["reference"], "checkpoint-2", model=other),
+            ckpt_run(out["auto_fresh"], "--resume", "auto", model=model),
+            ckpt_run(out["auto_fallback"], "--resume", "auto", model=model),
         ],
         batches,
     )
+    with open(os.path.join(root, "last_batch.log"), "w") as f:
+        f.write(last.stdout + last.stderr)
+    out["log"] = os.path.join(root, "last_batch.log")
     return out
+
+
+def damaged_copy(source: str, run_dir: str) -> None:
+    """checkpoint-2 and checkpoint-4 of `source`, the newest with one model shard cut short (a full disk)."""
+    for name in ("checkpoint-2", "checkpoint-4"):
+        shutil.copytree(os.path.join(source, "run", name), os.path.join(run_dir, name))
+    shard = sorted(glob.glob(os.path.join(run_dir, "checkpoint-4", "pytorch_model_fsdp_0", "*.distcp")))[0]
+    with open(shard, "r+b") as f:
+        f.truncate(os.path.getsize(shard) // 2)
 
 
 @pytest.fixture(scope="module")
@@ -161,3 +179,35 @@ def test_save_total_limit_rotates_checkpoints(runs):
 def test_resuming_a_checkpoint_of_another_model_names_the_first_mismatch(runs):
     with open(os.path.join(runs["mismatch"], ERROR_FILE)) as f:
         assert "the checkpoint has no lm_head.weight: it was saved from another model" in f.read()
+
+
+def test_auto_resume_on_an_empty_output_dir_starts_fresh(runs):
+    assert losses_by_step(runs["auto_fresh"]) == losses_by_step(runs["reference"])
+
+
+def test_auto_resume_skips_a_truncated_newest_checkpoint_and_deletes_nothing(runs):
+    run_dir = os.path.join(runs["auto_fallback"], "run")
+    with open(runs["log"]) as f:
+        log = f.read()
+    assert f"Not resuming from {run_dir}/checkpoint-4, which cannot be read: " in log
+    assert (
+        "pytorch_model_fsdp_0/__0_0.distcp: truncated" in log or "pytorch_model_fsdp_0/__1_0.distcp: truncated" in log
+    )
+    expected, got = losses_by_step(runs["reference"]), losses_by_step(runs["auto_fallback"])
+    for step in (3, 4, 5, 6):
+        assert abs(got[step] - expected[step]) <= 1e-6
+
+
+def test_the_checks_name_the_damaged_file_and_delete_nothing(runs, tmp_path):
+    from hf_fsdp2.resume import checkpoint_problem, checkpoints_newest_first
+
+    run_dir = str(tmp_path / "run")
+    damaged_copy(runs["reference"], run_dir)
+    (tmp_path / "run" / ".checkpoint-6.incomplete").mkdir()  # a save that never finished is not a candidate
+    newest, older = checkpoints_newest_first(run_dir)
+    assert newest.endswith("checkpoint-4") and older.endswith("checkpoint-2")
+    assert "truncated" in checkpoint_problem(newest) and checkpoint_problem(older) is None
+    with open(os.path.join(older, "pytorch_model_fsdp_0", ".metadata"), "wb") as f:
+        f.write(b"garbage\n")
+    assert ".metadata is not valid DCP metadata (truncated or corrupted)" in checkpoint_problem(older)
+    assert sorted(os.listdir(run_dir)) == [".checkpoint-6.incomplete", "checkpoint-2", "checkpoint-4"]

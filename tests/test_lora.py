@@ -240,3 +240,20 @@ def test_unmergeable_adapters_are_refused_before_training(tmp_path, tiny, model,
     args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
     with pytest.raises(ValueError, match=message):
         FSDP2Trainer(peft_model, args, fsdp2_config=FSDP2Config(merge_adapters_on_save=True))
+
+
+def test_a_truncated_adapter_checkpoint_is_named_and_skipped_by_auto_resume(tmp_path):
+    from safetensors.torch import save_file
+
+    from hf_fsdp2.resume import checkpoint_problem
+
+    checkpoint = tmp_path / "checkpoint-3"
+    checkpoint.mkdir()
+    save_file({"lora_A": torch.zeros(64, 8)}, str(checkpoint / "adapter_model.safetensors"))
+    (checkpoint / "adapter_config.json").write_text("{}")
+    (checkpoint / "trainer_state.json").write_text("{}")
+    assert checkpoint_problem(str(checkpoint)) is None
+    weights = checkpoint / "adapter_model.safetensors"
+    with open(weights, "r+b") as f:
+        f.truncate(weights.stat().st_size - 100)
+    assert f"{weights}: truncated" in checkpoint_problem(str(checkpoint))

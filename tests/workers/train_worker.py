@@ -79,7 +79,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data", default="random", choices=["random", "pattern"])
     p.add_argument("--save-steps", type=int, default=0, help="0: no checkpoints")
     p.add_argument("--save-total-limit", type=int, default=None)
-    p.add_argument("--resume", default=None, help="a checkpoint path, or 'last'")
+    p.add_argument("--resume", default=None, help="a checkpoint path, 'last' (True) or 'auto'")
     p.add_argument("--async-save", action="store_true")
     p.add_argument("--run-dir", default=None, help="output_dir of the run (default OUT/run)")
     p.add_argument("--tokenizer", action="store_true", help="pass a processing_class")
