@@ -8,12 +8,12 @@ and the README's configuration reference show the same words.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 
 WrapPolicy = Literal["transformer_based_wrap", "size_based_wrap", "no_wrap"]
-WRAP_POLICIES: tuple[str, ...] = ("transformer_based_wrap", "size_based_wrap", "no_wrap")
+WRAP_POLICIES: tuple[str, ...] = get_args(WrapPolicy)
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -27,7 +27,7 @@ class FSDP2Config:
     """How `FSDP2Trainer` shards, casts and checkpoints the model."""
 
     # NOTE: annotated for HfArgumentParser (which drops `str` from unions); in Python a callable
-    # module -> bool is accepted too, and reshard_after_forward takes True/False/int.
+    # module -> bool is accepted too.
     auto_wrap_policy: WrapPolicy = field(  # type: ignore[assignment]
         default="transformer_based_wrap",
         metadata={
@@ -53,12 +53,14 @@ class FSDP2Config:
             "'transformer_based_wrap' for a model that declares no blocks)."
         },
     )
-    reshard_after_forward: str = field(  # type: ignore[assignment]
-        default=True,
+    reshard_after_forward: str = field(
+        default="true",
         metadata={
-            "help": "Free gathered parameters after each unit's forward (True: least memory, gathers again in "
-            "backward), keep them (False: faster, ZeRO-2-like), or an int: reshard to groups of that many "
-            "ranks (must divide the shard group size). The root unit is never resharded after forward."
+            "help": "Free gathered parameters after each unit's forward ('true': least memory, gathers again in "
+            "backward), keep them ('false': faster, ZeRO-2-like), or an int N: reshard to groups of N ranks "
+            "(must divide the shard group size). Python's True/False/int are accepted and stored as these "
+            "strings; `reshard_policy` gives the value for fully_shard. The root unit is never resharded after "
+            "forward."
         },
     )
     param_dtype: str | None = field(
@@ -149,7 +151,8 @@ class FSDP2Config:
 
     def __post_init__(self) -> None:
         """Normalize CLI strings and reject bad values before any collective runs."""
-        self.reshard_after_forward = _parse_reshard(self.reshard_after_forward)
+        # NOTE: a str field, because HfArgumentParser parses no bool-or-int union; stored in one spelling.
+        self.reshard_after_forward = str(_parse_reshard(self.reshard_after_forward)).lower()
         if not callable(self.auto_wrap_policy) and self.auto_wrap_policy not in WRAP_POLICIES:
             raise ValueError(
                 f"auto_wrap_policy={self.auto_wrap_policy!r} is not valid; choose one of {list(WRAP_POLICIES)} "
@@ -183,6 +186,11 @@ class FSDP2Config:
                 f"hsdp_replicate_size={self.hsdp_replicate_size!r} must be an int >= 1 "
                 "(1 = plain FSDP; N > 1 = N replicas of a sharded model)."
             )
+
+    @property
+    def reshard_policy(self) -> bool | int:
+        """`reshard_after_forward` as fully_shard takes it: True, False or a group size."""
+        return _parse_reshard(self.reshard_after_forward)
 
     def to_summary(self) -> dict[str, Any]:
         """Return the fields as plain values, so ranks can compare configs before the first collective."""

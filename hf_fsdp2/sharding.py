@@ -200,13 +200,13 @@ def shard_model(
 ) -> nn.Module:
     """Apply activation checkpointing, then compile, then `fully_shard` to each unit and the root."""
     units = select_units(model, config) if units is None else units
-    _check_reshard(config.reshard_after_forward, mesh)
+    _check_reshard(config.reshard_policy, mesh)
     if config.fsdp_activation_checkpointing:
         _checkpoint_units(model, units)
     if config.compile:
         for unit in units or [model]:
             unit.compile()
-    kwargs: dict[str, Any] = dict(mesh=mesh, reshard_after_forward=config.reshard_after_forward, mp_policy=policy)
+    kwargs: dict[str, Any] = dict(mesh=mesh, reshard_after_forward=config.reshard_policy, mp_policy=policy)
     if config.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
     scalars = set(scalar_parameters(model))

@@ -32,7 +32,9 @@ def test_invalid_values_raise_with_the_fix(kwargs, message):
 
 @pytest.mark.parametrize("text, value", [("true", True), ("False", False), ("2", 2), (True, True), (4, 4)])
 def test_reshard_after_forward_accepts_command_line_spellings(text, value):
-    assert FSDP2Config(reshard_after_forward=text).reshard_after_forward == value
+    config = FSDP2Config(reshard_after_forward=text)
+    assert config.reshard_policy == value
+    assert isinstance(config.reshard_after_forward, str), "the field holds what its annotation says"
 
 
 def test_block_classes_accept_a_comma_separated_string():

@@ -96,7 +96,7 @@ def test_the_scenarios_check_what_they_claim(dropin):
 def test_a_second_trainer_with_other_settings_or_a_foreign_shard_is_refused(dropin):
     messages = dropin["fsdp2-2"]["refusals"]
     assert "param_dtype: 'None' then, 'torch.bfloat16' now" in messages["bf16_now"]
-    assert "reshard_after_forward: True then, False now" in messages["other_units"]
+    assert "reshard_after_forward: 'true' then, 'false' now" in messages["other_units"]
     assert "already sharded with fully_shard outside hf_fsdp2" in messages["foreign"]
     assert "no module matched transformer_layer_cls_to_wrap=['NoSuchBlock']" in messages["unknown_block"]
 

@@ -27,7 +27,7 @@ def test_yaml_values_are_typed_like_the_command_line_and_overrides_win(tmp_path)
     )
     assert (args.output_dir, args.learning_rate, args.max_steps, args.bf16) == ("out", 0.5, 3, False)
     assert fsdp.transformer_layer_cls_to_wrap == ["LlamaDecoderLayer"]
-    assert fsdp.reshard_after_forward is False and fsdp.fsdp_activation_checkpointing is True
+    assert fsdp.reshard_policy is False and fsdp.fsdp_activation_checkpointing is True
 
 
 def test_config_file_is_found_positionally_or_by_flag():
