@@ -28,7 +28,7 @@ def trl_runs(tmp_path_factory: pytest.TempPathFactory, tiny) -> dict[str, dict[s
     return results
 
 
-@pytest.mark.parametrize("scenario", ["sft_full", "sft_lora", "dpo_full", "dpo_lora"])
+@pytest.mark.parametrize("scenario", ["sft_full", "sft_lora", "sft_lora_object", "dpo_full", "dpo_lora"])
 def test_two_ranks_match_plain_one_process_trl(trl_runs, scenario):
     # Checkpoint layouts differ on purpose (DCP optimizer_0/, no model card): checked in the next test.
     skip = ("fsdp2_only", "checkpoint_files")

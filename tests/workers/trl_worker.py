@@ -119,6 +119,27 @@ def merged_difference(adapter: str, merged: str) -> float:
     return max(float((ours[k] - theirs[k]).abs().max()) for k in ours)
 
 
+def sft_lora_object() -> dict[str, Any]:
+    """A model object (weights on every rank) with peft_config, through `class X(FSDP2Trainer, SFTTrainer)`."""
+    from transformers import AutoModelForCausalLM
+
+    trainer_class = SFT
+    if MODE == "fsdp2":
+        from hf_fsdp2 import FSDP2Trainer
+
+        class Combined(FSDP2Trainer, SFTTrainer):  # the order users wrote before FSDP2Mixin existed
+            pass
+
+        trainer_class = Combined
+    model = AutoModelForCausalLM.from_pretrained(LLAMA, dtype=torch.float32)
+    config = sft_config("sft_lora_object")
+    trainer = trainer_class(
+        model, args=config, train_dataset=sft_data(), processing_class=tiny_tokenizer(), peft_config=lora()
+    )
+    trainer.train()
+    return {"losses": losses(trainer), "adapters": full_weights(trainer.model, trainable_only=True)}
+
+
 def sft_defaults() -> dict[str, Any]:
     """SFTConfig's own defaults (bf16=True, gradient_checkpointing=True): it must train (no parity in bf16)."""
     config = SFTConfig(**{**common("sft_defaults"), "max_length": 32, "learning_rate": 1e-2})
@@ -164,7 +185,7 @@ def dpo_lora() -> dict[str, Any]:
 
 
 SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {
-    f.__name__: f for f in (sft_full, sft_lora, sft_defaults, dpo_full, dpo_lora)
+    f.__name__: f for f in (sft_full, sft_lora, sft_lora_object, sft_defaults, dpo_full, dpo_lora)
 }
 
 if __name__ == "__main__":
