@@ -106,12 +106,12 @@ def test_mesh_release_survives_weak_proxies_to_dead_objects():
 
 
 def test_an_unchanged_trainer_script_ends_its_process_group_by_itself(tmp_path, tiny):
-    proc = run("unchanged_script.py", 2, tiny("llama"))  # raises unless the exit code is 0
+    proc = run("unchanged_script.py", 2, tiny("llama"), str(tmp_path))  # raises unless the exit code is 0
     assert proc.stdout.count("at exit: process group open False") == 2, proc.stdout
     assert "terminate called" not in proc.stderr and "SIGABRT" not in proc.stderr
 
 
-def test_a_rank_that_fails_after_training_does_not_hang_the_job(tiny):
-    proc = run("unchanged_script.py", 2, tiny("llama"), "fail", timeout=300, expect_ok=False)
+def test_a_rank_that_fails_after_training_does_not_hang_the_job(tmp_path, tiny):
+    proc = run("unchanged_script.py", 2, tiny("llama"), str(tmp_path), "fail", timeout=300, expect_ok=False)
     assert proc.returncode != 0
     assert "rank 1 fails after training" in proc.stderr
