@@ -12,28 +12,24 @@ from __future__ import annotations
 
 import json
 import os
-import re
+
+from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer_utils import sort_checkpoints
 
 from .adapter_checkpoint import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from .checkpoint import METADATA_FILE, MODEL_DIR, OPTIMIZER_DIR, read_metadata
 from .distributed import broadcast_from_rank0, is_rank0, log_rank0, warn_rank0
 from .safetensors_reader import read_header
 
-_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
-TRAINER_STATE = "trainer_state.json"
-
 
 def checkpoints_newest_first(output_dir: str) -> list[str]:
     """The `checkpoint-N` folders in `output_dir`, highest N first (hidden staging folders never match)."""
-    if not os.path.isdir(output_dir):
-        return []
-    found = [(int(m.group(1)), name) for name in os.listdir(output_dir) if (m := _CHECKPOINT.match(name))]
-    return [os.path.join(output_dir, name) for _, name in sorted(found, reverse=True)]
+    return sort_checkpoints(output_dir)[::-1]
 
 
 def checkpoint_problem(checkpoint: str) -> str | None:
     """Name the first file of `checkpoint` that cannot be read whole and what is wrong with it, or None."""
-    state = os.path.join(checkpoint, TRAINER_STATE)
+    state = os.path.join(checkpoint, TRAINER_STATE_NAME)
     try:
         with open(state) as f:
             json.load(f)

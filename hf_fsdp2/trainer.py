@@ -343,9 +343,8 @@ def _bind(init: Callable[..., None], args: tuple[Any, ...], kwargs: dict[str, An
     """Bind a trainer's constructor arguments by name; `(*args, **kwargs)` constructors bind as Trainer's."""
     signature = inspect.signature(init)
     if "model" not in signature.parameters:
-        signature = inspect.signature(Trainer.__init__).replace(
-            parameters=list(inspect.signature(Trainer.__init__).parameters.values())[1:]
-        )
+        signature = inspect.signature(Trainer.__init__)
+        signature = signature.replace(parameters=list(signature.parameters.values())[1:])  # without self
     return signature.bind_partial(*args, **kwargs)
 
 
