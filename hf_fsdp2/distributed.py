@@ -83,7 +83,7 @@ def close_distributed(timeout: timedelta | None = None) -> None:
     group: DTensor's caches keep device meshes alive, and a mesh holds its groups, so the group's threads
     and sockets outlive it. The barrier keeps a rank from tearing down while another still talks; with a
     `timeout`, a rank whose peers do not arrive in time leaves the group as it is instead of hanging. Called
-    by itself at a normal exit for a group `init_distributed` started; call it yourself to end it earlier.
+    by itself at a normal exit once hf_fsdp2 has joined a group (`init_distributed`); call it to end it earlier.
     """
     if not dist.is_initialized():
         return
