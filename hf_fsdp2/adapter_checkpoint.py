@@ -20,10 +20,10 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .adapters import active_adapter, adapter_prefix, base_name, is_adapter_tensor
+from .adapters import active_adapter, base_name, is_adapter_tensor
 from .distributed import is_rank0, warn_rank0
+from .facts import facts_of
 from .loading import copy_full_into
-from .skeleton import tie_groups
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -53,7 +53,7 @@ def check_trainable_are_saved(model: nn.Module) -> None:
     Raises:
         ValueError: when a trainable parameter is not part of any PEFT adapter's saved state.
     """
-    saved = {id(t) for adapter in model.peft_config for t in adapter_state(model, adapter).values()}
+    saved = {id(t) for adapter in facts_of(model).adapter_names for t in adapter_state(model, adapter).values()}
     for name, param in model.named_parameters():
         if param.requires_grad and id(param) not in saved:
             raise ValueError(
@@ -94,7 +94,7 @@ def load_adapter(model: nn.Module, directory: str) -> None:
     Raises:
         ValueError: when `directory` lacks an adapter's weights file, or its tensors' names or shapes differ.
     """
-    for adapter in model.peft_config:
+    for adapter in facts_of(model).adapter_names:
         folder = adapter_dir(directory, adapter)
         path = os.path.join(folder, ADAPTER_WEIGHTS)
         if not os.path.isfile(path):
@@ -166,7 +166,7 @@ def check_mergeable(model: nn.Module) -> tuple[str, dict[str, nn.Module]]:
     }
     for module in layers.values():
         _check_variant(module, adapter)
-    for names in tie_groups(model):
+    for names in facts_of(model).tie_groups:
         merged_tied = [n for n in names if n in layers]
         if merged_tied:
             raise ValueError(
@@ -184,7 +184,7 @@ def merged_state(model: nn.Module, state: dict[str, torch.Tensor]) -> tuple[dict
     and other adapters' copies are left out; the active adapter's copies replace their originals.
     """
     adapter, layers = check_mergeable(model)
-    prefix = adapter_prefix(model)
+    prefix = facts_of(model).adapter_prefix
     export: dict[str, torch.Tensor] = {}
     sources: dict[str, str] = {}
     for name, tensor in state.items():

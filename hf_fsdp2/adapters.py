@@ -30,11 +30,6 @@ def is_peft_model(model: nn.Module) -> bool:
     return isinstance(model, PeftModel)
 
 
-def adapter_prefix(model: nn.Module) -> str | None:
-    """The name prefix of the tuner's own parameters (`lora_` for LoRA), or None for a plain model."""
-    return model.base_model.prefix if is_peft_model(model) else None
-
-
 def is_adapter_tensor(name: str, prefix: str | None) -> bool:
     """True for an adapter's own tensor (e.g. `...q_proj.lora_A.default.weight`), which no base checkpoint holds."""
     return prefix is not None and any(part.startswith(prefix) for part in name.split("."))

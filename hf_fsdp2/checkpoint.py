@@ -31,8 +31,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from .distributed import is_rank0
+from .facts import facts_of
 from .hf_export import staging_dir
-from .skeleton import tie_groups
 
 MODEL_DIR = "pytorch_model_fsdp_0"
 OPTIMIZER_DIR = "optimizer_0"
@@ -99,7 +99,7 @@ class SafeFileSystemReader(FileSystemReader):
 def model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The sharded model state to save or load into, with each tied weight once (under its first name)."""
     state = get_model_state_dict(model)
-    for names in tie_groups(model):
+    for names in facts_of(model).tie_groups:
         for duplicate in names[1:]:
             state.pop(duplicate, None)
     return state

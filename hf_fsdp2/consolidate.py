@@ -19,7 +19,6 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .adapter_checkpoint import full_copy, merged_state, save_adapter
-from .adapters import is_peft_model
 from .checkpoint import (
     MODEL_KEY,
     SafeFileSystemReader,
@@ -30,6 +29,7 @@ from .checkpoint import (
 )
 from .config import resolve_dtype
 from .distributed import is_rank0
+from .facts import facts_of
 from .hf_export import TensorSpec, prepare_output, publish, write_order, write_weights
 from .sharding import reshard_all
 
@@ -182,7 +182,7 @@ def save_pretrained_sharded(
         ValueError: when `merge_adapters` is set without PEFT adapters, or the active adapter cannot be merged.
     """
     reshard_all(model)
-    peft = is_peft_model(model)
+    peft = facts_of(model).is_peft
     if merge_adapters and not peft:
         raise ValueError("merge_adapters_on_save=True, but the model has no PEFT adapters to merge; turn it off.")
     staging = prepare_output(output_dir, overwrite=True) if is_rank0() else ""
@@ -206,7 +206,7 @@ def _write_weights_gathered(model: nn.Module, staging: str, dtype: str | None, m
     target = resolve_dtype(dtype)
     state = model_state_dict(model)
     merge = None
-    if is_peft_model(model):
+    if facts_of(model).is_peft:
         state, merge = merged_state(model, state)
     specs = [TensorSpec(name, tuple(t.shape), _export_dtype(t.dtype, target)) for name, t in state.items()]
 

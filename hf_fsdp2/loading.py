@@ -27,14 +27,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import PreTrainedModel
 
-from .adapters import (
-    adapter_prefix,
-    base_name,
-    is_adapter_tensor,
-    is_peft_model,
-    replay_adapters,
-    replayed_adapter_values,
-)
+from .adapters import base_name, is_adapter_tensor, replay_adapters, replayed_adapter_values
 from .distributed import (
     broadcast_from_rank0,
     first_on_any_rank,
@@ -44,17 +37,9 @@ from .distributed import (
     raise_if_any_rank,
     warn_rank0,
 )
+from .facts import facts_of
 from .safetensors_reader import SliceReader
-from .skeleton import (
-    PretrainedSource,
-    Structure,
-    build_skeleton,
-    first_meta_tensor,
-    get_source,
-    move_to_meta,
-    set_tensor,
-    tie_groups,
-)
+from .skeleton import PretrainedSource, build_skeleton, first_meta_tensor, move_to_meta, set_tensor
 
 ShardFn = Callable[[nn.Module], None]
 _INIT_FLAG = "_is_hf_initialized"
@@ -72,7 +57,7 @@ class SafetensorsPlan:
 
 def _tensor_names(model: nn.Module) -> list[list[str]]:
     """Parameters and persistent buffers as lists of names (one list per tie group)."""
-    grouped = {names[0]: names for names in tie_groups(model)}
+    grouped = facts_of(model).tie_map
     names = [grouped.get(name, [name]) for name, _ in model.named_parameters()]
     for module_name, module in model.named_modules():
         for leaf, buffer in module._buffers.items():
@@ -99,7 +84,7 @@ def plan_safetensors_load(model: nn.Module, checkpoint_shapes: dict[str, torch.S
     """
     plan = SafetensorsPlan()
     prefix = getattr(model, "base_model_prefix", "")
-    tuner = adapter_prefix(model)
+    tuner = facts_of(model).adapter_prefix
     for names in _tensor_names(model):
         if is_adapter_tensor(names[0], tuner):
             plan.adapters.append(names[0])
@@ -153,7 +138,7 @@ def init_missing(model: nn.Module, missing: list[str]) -> dict[str, torch.Tensor
             f"{type(model).__name__} is not a PreTrainedModel, so nothing can initialize {(missing + buffers)[0]}; "
             "pass a model object with real weights instead."
         )
-    groups = {names[0]: names for names in tie_groups(model)}
+    groups = facts_of(model).tie_map
     todo = set(missing) | set(buffers)
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         if name not in todo:
@@ -173,7 +158,7 @@ def skeleton_rng_state(model: nn.Module) -> torch.Tensor:
 
     NOTE: collective; every rank must call it.
     """
-    source = get_source(model)
+    source = facts_of(model).source
     state = source.rng_state if source is not None and source.rng_state is not None else torch.random.get_rng_state()
     return broadcast_from_rank0(state)
 
@@ -188,10 +173,11 @@ def rng_state(state: torch.Tensor) -> Iterator[None]:
 
 def initial_values(model: nn.Module, plan: SafetensorsPlan, state: torch.Tensor) -> dict[str, torch.Tensor]:
     """Full values of everything the checkpoint lacks, drawn as one process's from_pretrained (+ peft) would."""
-    if not is_peft_model(model):
+    facts = facts_of(model)
+    if not facts.is_peft:
         with rng_state(state):
             return init_missing(model, plan.missing)
-    source = get_source(model)
+    source = facts.source
     replay = [n for n in plan.adapters if _get(model, n).is_meta]
     given = {n: _get(model, n).detach().cpu() for n in plan.adapters if not _get(model, n).is_meta}
     with rng_state(state):
@@ -280,7 +266,7 @@ def safetensors_shapes(path: str) -> dict[str, torch.Size] | None:
 
 def _needs_conversion(model: nn.Module) -> str | None:
     """Name the reason the checkpoint's keys need transformers' own conversion, or None."""
-    model = model.get_base_model() if is_peft_model(model) else model
+    model = model.get_base_model() if facts_of(model).is_peft else model
     if not isinstance(model, PreTrainedModel):
         return None
     from transformers.conversion_mapping import get_model_conversion_mapping
@@ -295,7 +281,7 @@ def choose_route(model: nn.Module) -> SafetensorsPlan | None:
     NOTE: every rank joins the same collective here, even when its own answer is already known, because
     ranks may disagree (a real object on rank 0, a skeleton elsewhere) and must still agree on the route.
     """
-    source = get_source(model)
+    source = facts_of(model).source
     shapes = safetensors_shapes(source.path) if source is not None else None
     if source is None:
         reason = "the model is an object, so rank 0's weights are the truth"
@@ -315,25 +301,26 @@ def choose_route(model: nn.Module) -> SafetensorsPlan | None:
 
 def load_pretrained(model: nn.Module, shard: ShardFn, offload: bool = False) -> nn.Module:
     """Shard `model` with `shard` and fill every rank's shards with the right weights; verify the result."""
-    structure = Structure.of(model)
+    facts = facts_of(model)
     plan = choose_route(model)
     state = skeleton_rng_state(model)
     if plan is not None:
+        facts.missing = list(plan.missing)
         initial = initial_values(model, plan, state)
         shard(model)
         materialize(model, offload)
-        read_safetensors_shards(model, get_source(model).path, plan)
+        read_safetensors_shards(model, facts.source.path, plan)
         copy_full_into_shards(model, initial)
     else:
         weights, buffers = _rank0_state(model, state)
-        move_to_meta(model)
+        move_to_meta(model, facts.tie_groups)
         shard(model)
         materialize(model, offload)
         set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
         copy_full_into_shards(model, buffers)
         del weights, buffers
         broadcast_buffers(model)
-    structure.verify(model)
+    facts.verify(model)
     return model
 
 
@@ -356,10 +343,11 @@ def _rank0_state(model: nn.Module, rng: torch.Tensor) -> Rank0State:
 
 def _full_state_on_rank0(model: nn.Module) -> tuple[Rank0State, str | None]:
     """Read the whole model on rank 0, from its source path or from the object itself."""
-    source: PretrainedSource | None = get_source(model)
+    facts = facts_of(model)
+    source: PretrainedSource | None = facts.source
     if source is not None:
         real = source.auto_class.from_pretrained(source.path, **source.kwargs)
-        if is_peft_model(model):
+        if facts.is_peft:
             # The adapters as peft made them on this base; ones the skeleton already holds take precedence.
             given = {n: t for n, t in model.state_dict().items() if not t.is_meta}
             real = replay_adapters(real, model)

@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from .config import FSDP2Config
 from .distributed import build_mesh, check_same_on_all_ranks, get_device, init_distributed, log_rank0
+from .facts import ModelFacts, describe
 from .loading import load_pretrained
 from .sharding import (
     mixed_precision_policy,
@@ -42,8 +43,13 @@ _SHARDING_FIELDS = (
 )
 
 
-def prepare_model(model: nn.Module, config: FSDP2Config, bf16: bool = False, fp16: bool = False) -> nn.Module:
+def prepare_model(
+    model: nn.Module, config: FSDP2Config, bf16: bool = False, fp16: bool = False, facts: ModelFacts | None = None
+) -> nn.Module:
     """Shard `model` (a meta skeleton or an object with weights) and load every rank's part of its weights.
+
+    `facts` is the caller's description of `model` if it already made one (the trainer does, for its checks);
+    it is attached to the model and handed down to loading, sharding, checkpoints and export.
 
     A model this function already sharded (a second trainer on the same model) is returned as it is when
     it was sharded the same way; otherwise ValueError names what differs.
@@ -63,6 +69,7 @@ def prepare_model(model: nn.Module, config: FSDP2Config, bf16: bool = False, fp1
             "cpu_offload=True moves shards from an accelerator to host memory, but this machine has no "
             "accelerator (parameters already live in host memory); remove cpu_offload."
         )
+    describe(model, facts)
     mesh = build_mesh(config.hsdp_replicate_size)
     units = select_units(model, config)
 

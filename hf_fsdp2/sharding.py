@@ -22,7 +22,8 @@ from torch.distributed.fsdp import (
 
 from .config import WRAP_POLICIES, FSDP2Config, resolve_dtype
 from .distributed import log_rank0, warn_rank0
-from .skeleton import set_tensor, tie_groups
+from .facts import facts_of
+from .skeleton import set_tensor
 
 
 def block_classes(model: nn.Module, config: FSDP2Config) -> list[str]:
@@ -45,7 +46,8 @@ def _splits_a_tie(module: nn.Module, groups: list[set[int]]) -> bool:
 
 def _tie_owner_groups(model: nn.Module) -> list[set[int]]:
     """For each shared parameter, the ids of the modules that hold it."""
-    return [{id(model.get_submodule(name.rpartition(".")[0])) for name in names} for names in tie_groups(model)]
+    groups = facts_of(model).tie_groups
+    return [{id(model.get_submodule(name.rpartition(".")[0])) for name in names} for names in groups]
 
 
 def _size_based_units(model: nn.Module, min_num_params: int, groups: list[set[int]]) -> list[nn.Module]:
@@ -155,7 +157,7 @@ def upcast_trainable(model: nn.Module, policy: MixedPrecisionPolicy) -> None:
     """Make trainable low-precision params fp32 masters when compute runs in a lower precision."""
     if policy.param_dtype in (None, torch.float32):
         return
-    groups = {id(model.get_parameter(names[0])): names for names in tie_groups(model)}
+    groups = {id(model.get_parameter(names[0])): names for names in facts_of(model).tie_groups}
     upcast: list[str] = []
     for name, param in list(model.named_parameters()):
         if param.requires_grad and param.dtype != torch.float32:

@@ -1,5 +1,5 @@
-"""The model's structure without its weights: meta-device skeletons, tied parameters, and the checks
-that a model came out of loading whole (nothing on meta, ties intact, no extra parameters).
+"""The model's structure without its weights: meta-device skeletons, where their weights live, tied
+parameters and the tensor surgery that keeps ties intact.
 
 It reads configs, never weights; where the weights come from is `loading`'s business.
 """
@@ -91,9 +91,8 @@ def retie(model: nn.Module, groups: list[list[str]]) -> None:
         set_tensor(model, names[1:], model.get_parameter(names[0]))
 
 
-def move_to_meta(model: nn.Module) -> None:
-    """Drop every parameter's and buffer's storage, keeping shapes, dtypes and ties."""
-    groups = tie_groups(model)
+def move_to_meta(model: nn.Module, groups: list[list[str]]) -> None:
+    """Drop every parameter's and buffer's storage, keeping shapes, dtypes and the tie `groups`."""
     model.to("meta")
     # NOTE: Module._apply gives each owner of a shared Parameter its own new Parameter; tie them again.
     retie(model, groups)
@@ -105,40 +104,3 @@ def first_meta_tensor(model: nn.Module) -> str | None:
         if tensor.is_meta or (hasattr(tensor, "to_local") and tensor.to_local().is_meta):
             return name
     return None
-
-
-@dataclass
-class Structure:
-    """What must still hold after loading: the tie groups and the number of unique parameters."""
-
-    groups: list[list[str]]
-    num_params: int
-
-    @classmethod
-    def of(cls, model: nn.Module) -> Structure:
-        """Record the structure of `model` as it is now."""
-        return cls(tie_groups(model), len(list(model.parameters())))
-
-    def verify(self, model: nn.Module) -> None:
-        """Raise RuntimeError naming what broke: a meta tensor, an untied weight, an extra parameter.
-
-        Raises:
-            RuntimeError: when a tensor stayed on meta, a tie broke, or the number of parameters changed.
-        """
-        name = first_meta_tensor(model)
-        if name is not None:
-            raise RuntimeError(
-                f"{name} is still on the meta device after loading: it is in no checkpoint and nothing "
-                "initialized it. Check that the checkpoint matches the model class."
-            )
-        for names in self.groups:
-            first = model.get_parameter(names[0])
-            for other in names[1:]:
-                if model.get_parameter(other) is not first:
-                    raise RuntimeError(f"{other} is no longer tied to {names[0]} after loading.")
-        num_params = len(list(model.parameters()))
-        if num_params != self.num_params:
-            raise RuntimeError(
-                f"the model has {num_params} unique parameters after loading, {self.num_params} before: "
-                "a tied weight was duplicated or a parameter was added."
-            )

@@ -51,7 +51,7 @@ from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints, set_seed
 
 from .adapter_checkpoint import check_mergeable, check_trainable_are_saved, load_adapter, save_adapter
-from .adapters import adapter_prefix, is_adapter_tensor, is_peft_model
+from .adapters import is_adapter_tensor
 from .callbacks import ConsolidateCallback
 from .checkpoint import (
     AsyncSaver,
@@ -64,6 +64,7 @@ from .checkpoint import (
 from .config import FSDP2Config
 from .consolidate import save_pretrained_sharded, write_model_files
 from .distributed import init_distributed, is_rank0, log_rank0
+from .facts import describe, facts_of
 from .model import clip_grad_norm, prepare_model
 from .resume import find_resume_checkpoint
 from .sharding import reshard_all
@@ -142,7 +143,8 @@ class FSDP2Mixin:
 
     def _shard(self, model: nn.Module) -> nn.Module:
         """Check, then shard `model` and load its weights; remember parameter names to re-point an optimizer."""
-        if is_peft_model(model):
+        facts = facts_of(model) if isinstance(model, FSDPModule) else describe(model)
+        if facts.is_peft:
             check_trainable_are_saved(model)
             if self.fsdp2_config.merge_adapters_on_save:
                 check_mergeable(model)
@@ -152,7 +154,7 @@ class FSDP2Mixin:
                 "or a trainer's peft_config); this model has no adapters. Turn the option off."
             )
         self._original_names = {id(p): name for name, p in model.named_parameters()}
-        sharded = prepare_model(model, self.fsdp2_config, bf16=self.args.bf16, fp16=self.args.fp16)
+        sharded = prepare_model(model, self.fsdp2_config, bf16=self.args.bf16, fp16=self.args.fp16, facts=facts)
         if sharded is not model:
             raise RuntimeError("prepare_model must shard in place: Trainer.__init__ keeps the object it was given.")
         sharded._is_fsdp_managed_module = True
@@ -160,7 +162,7 @@ class FSDP2Mixin:
 
     @property
     def _peft(self) -> bool:
-        return is_peft_model(self.model)
+        return facts_of(self.model).is_peft
 
     def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
         """Leave placement to sharding."""
@@ -430,7 +432,7 @@ def _loss_uses_num_items(model: nn.Module) -> bool:
     the loss by the number of ranks; a model that computes its own mean loss (T5, BART, sequence
     classification, a plain nn.Module) would then train on a loss (and gradients) N times too large.
     """
-    model = model.get_base_model() if is_peft_model(model) else model
+    model = model.get_base_model() if facts_of(model).is_peft else model
     try:
         forward = inspect.getsource(type(model).forward)
     except (OSError, TypeError):  # no source (built at run time): keep Trainer's own rule
@@ -449,7 +451,7 @@ def _loss_uses_num_items(model: nn.Module) -> bool:
 
 def _base_model_bytes(model: nn.Module) -> int:
     """Bytes of the model's non-adapter parameters (global sizes), to put adapter checkpoints in proportion."""
-    prefix = adapter_prefix(model)
+    prefix = facts_of(model).adapter_prefix
     return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not is_adapter_tensor(n, prefix))
 
 

@@ -1,0 +1,103 @@
+"""ModelFacts: what the pipeline needs to know about a model, derived once and handed down.
+
+Built when the model enters load → shard (`prepare_model`, or the trainer just before it): after anything
+a trainer subclass did to the skeleton (TRL's `get_peft_model` wraps it in `__init__`), so building it in
+`from_pretrained` would describe a model that no longer exists. It is attached to the model object, and
+loading, sharding, checkpointing and export read it instead of walking the model again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from .adapters import is_peft_model
+from .skeleton import PretrainedSource, first_meta_tensor, get_source, tie_groups
+
+FACTS_ATTR = "_hf_fsdp2_facts"
+
+
+@dataclass
+class ModelFacts:
+    """Ties, PEFT-ness and weight source of one model, as it was when it entered the pipeline."""
+
+    tie_groups: list[list[str]]
+    num_params: int
+    # The tuner's parameter prefix (`lora_`) and adapter names of a PEFT model; None and [] otherwise.
+    adapter_prefix: str | None
+    adapter_names: list[str]
+    source: PretrainedSource | None
+    # Tensors the checkpoint lacks, initialized as from_pretrained would (filled in when each rank reads its
+    # slices; on the rank-0 route from_pretrained itself reports them).
+    missing: list[str] = field(default_factory=list)
+
+    @property
+    def is_peft(self) -> bool:
+        """True for a `peft.PeftModel`."""
+        return self.adapter_prefix is not None
+
+    @property
+    def tie_map(self) -> dict[str, list[str]]:
+        """Each tie group under its first name (the name its tensor is saved and loaded under)."""
+        return {names[0]: names for names in self.tie_groups}
+
+    @classmethod
+    def of(cls, model: nn.Module) -> ModelFacts:
+        """Walk `model` once and record what the later stages need."""
+        peft = is_peft_model(model)
+        return cls(
+            tie_groups=tie_groups(model),
+            num_params=len(list(model.parameters())),
+            adapter_prefix=model.base_model.prefix if peft else None,
+            adapter_names=list(model.peft_config) if peft else [],
+            source=get_source(model),
+        )
+
+    def verify(self, model: nn.Module) -> None:
+        """Raise RuntimeError naming what loading broke: a meta tensor, an untied weight, an extra parameter.
+
+        Raises:
+            RuntimeError: when a tensor stayed on meta, a tie broke, or the number of parameters changed.
+        """
+        name = first_meta_tensor(model)
+        if name is not None:
+            raise RuntimeError(
+                f"{name} is still on the meta device after loading: it is in no checkpoint and nothing "
+                "initialized it. Check that the checkpoint matches the model class."
+            )
+        for names in self.tie_groups:
+            first = model.get_parameter(names[0])
+            for other in names[1:]:
+                if model.get_parameter(other) is not first:
+                    raise RuntimeError(f"{other} is no longer tied to {names[0]} after loading.")
+        num_params = len(list(model.parameters()))
+        if num_params != self.num_params:
+            raise RuntimeError(
+                f"the model has {num_params} unique parameters after loading, {self.num_params} before: "
+                "a tied weight was duplicated or a parameter was added."
+            )
+
+
+def describe(model: nn.Module, facts: ModelFacts | None = None) -> ModelFacts:
+    """Attach `facts` (or facts read now) to a model entering load → shard, for every later stage to read.
+
+    Always fresh for a model that is not sharded yet: one left unsharded by a failed attempt may have
+    changed since.
+    """
+    facts = facts if facts is not None else ModelFacts.of(model)
+    # NOTE: through __dict__, not setattr/getattr: PeftModel forwards unknown attributes to the model it
+    # wraps, so a wrapper would otherwise answer with the facts of the model inside it.
+    model.__dict__[FACTS_ATTR] = facts
+    return facts
+
+
+def attached_facts(model: nn.Module) -> ModelFacts | None:
+    """The facts `describe` attached to this very object, or None."""
+    return model.__dict__.get(FACTS_ATTR)
+
+
+def facts_of(model: nn.Module) -> ModelFacts:
+    """The attached facts, or (a model that never went through prepare_model) facts read from it now."""
+    facts = attached_facts(model)
+    return facts if facts is not None else ModelFacts.of(model)
