@@ -6,7 +6,7 @@ Read the code in flow order: distributed → skeleton → loading → sharding �
 from .callbacks import ConsolidateCallback
 from .config import FSDP2Config
 from .consolidate import consolidate
-from .distributed import close_distributed
+from .distributed import close_distributed, start_restarted_worker
 from .model import prepare_model
 from .skeleton import from_pretrained
 from .trainer import FSDP2Mixin, FSDP2Trainer
@@ -22,3 +22,6 @@ __all__ = [
     "prepare_model",
 ]
 __version__ = "0.1.0"
+
+# A torchrun worker restarted after a failure must join its new group before TrainingArguments does.
+start_restarted_worker()

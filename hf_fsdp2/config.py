@@ -7,6 +7,7 @@ and the README's configuration reference show the same words.
 
 from __future__ import annotations
 
+import signal
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, get_args
 
@@ -149,6 +150,23 @@ class FSDP2Config:
         metadata={"help": "Largest safetensors file in exported folders (e.g. '5GB', '500MB')."},
     )
 
+    checkpoint_on_signals: list[str] = field(
+        default_factory=lambda: ["SIGTERM"],
+        metadata={
+            "help": "Signals that mean 'you are being preempted' (SLURM: add SIGUSR1 with --signal=USR1@90). "
+            "Every rank finishes its step, all agree, the step reached is checkpointed synchronously and "
+            "train() exits with code 128 + signal; relaunch with resume_from_checkpoint='auto'. [] (CLI: none) "
+            "turns it off."
+        },
+    )
+    signal_check_steps: int = field(
+        default=1,
+        metadata={
+            "help": "Optimizer steps between two checks for a signal (each check all-reduces one integer over a "
+            "CPU group; see the benchmark for its cost). A signal is acted on at the next check."
+        },
+    )
+
     def __post_init__(self) -> None:
         """Normalize CLI strings and reject bad values before any collective runs."""
         # NOTE: a str field, because HfArgumentParser parses no bool-or-int union; stored in one spelling.
@@ -181,6 +199,15 @@ class FSDP2Config:
         from .hf_export import parse_size
 
         parse_size(self.max_shard_size)
+        # NOTE: "none" lets a command line (which cannot pass an empty list) turn the checkpoint off.
+        if isinstance(self.checkpoint_on_signals, str):
+            self.checkpoint_on_signals = [self.checkpoint_on_signals]
+        # key=value overrides give one comma-separated string: checkpoint_on_signals=SIGTERM,SIGUSR1
+        names = [n for entry in self.checkpoint_on_signals for n in str(entry).split(",")]
+        names = [n for n in names if n.strip().lower() not in ("", "none")]
+        self.checkpoint_on_signals = list(dict.fromkeys(_signal_name(name) for name in names))
+        if not isinstance(self.signal_check_steps, int) or self.signal_check_steps < 1:
+            raise ValueError(f"signal_check_steps={self.signal_check_steps!r} must be an int >= 1 (optimizer steps).")
         if not isinstance(self.hsdp_replicate_size, int) or self.hsdp_replicate_size < 1:
             raise ValueError(
                 f"hsdp_replicate_size={self.hsdp_replicate_size!r} must be an int >= 1 "
@@ -215,6 +242,24 @@ def _parse_reshard(value: bool | int | str) -> bool | int:
     if isinstance(value, int) and value >= 1:
         return value
     raise ValueError(f"reshard_after_forward={value!r} is not valid; use True, False or a positive int.")
+
+
+def _signal_name(name: str) -> str:
+    """`SIGTERM`, `TERM`, `sigusr1`, `15` → the canonical name; refuse what cannot be handled."""
+    text = str(name).strip().upper()
+    try:
+        sig = (
+            signal.Signals(int(text))
+            if text.isdigit()
+            else signal.Signals[text if text.startswith("SIG") else "SIG" + text]
+        )
+    except (KeyError, ValueError):
+        raise ValueError(
+            f"checkpoint_on_signals: {name!r} is not a signal; use names such as SIGTERM or SIGUSR1."
+        ) from None
+    if sig in (signal.SIGKILL, signal.SIGSTOP):
+        raise ValueError(f"checkpoint_on_signals: {sig.name} cannot be caught by any process; remove it.")
+    return sig.name
 
 
 def resolve_dtype(name: str | None) -> torch.dtype | None:

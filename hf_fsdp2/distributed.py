@@ -10,6 +10,7 @@ import atexit
 import gc
 import os
 import sys
+from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -45,17 +46,77 @@ def init_distributed() -> None:
     if not _exit_handler_registered:
         atexit.register(_close_at_exit)
         _exit_handler_registered = True
+        _warn_if_restarts_will_fail(os.environ)
     if dist.is_initialized():
         return
     device = get_device()
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None)
+    device_id = device if device.type == "cuda" else None
+    prefix = restart_store_prefix(os.environ)
+    if prefix is not None:
+        _join_under_prefix(backend, prefix, device_id)
+    elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend=backend, device_id=device_id)
     else:
         # NOTE: a world of one needs no rendezvous; a HashStore keeps it free of ports and files.
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+def restart_store_prefix(env: Mapping[str, str]) -> str | None:
+    """The store prefix that keeps a restarted torchrun attempt's keys apart from the dead attempt's, or None.
+
+    torchrun lets its workers use the agent's own rendezvous TCPStore and keeps that store across restarts;
+    torch's env:// init then adds no per-attempt prefix, so the workers of a restarted attempt can read the
+    addresses the killed workers left behind and fail with "Gloo connectFullMesh failed ... Connection
+    refused" (pytorch issues 135712 and 167288; 1 restart in 3 on this project's CPU drill). Under one agent
+    every worker of an attempt has the same TORCHELASTIC_RESTART_COUNT, so that count makes a safe prefix.
+    Agents on several nodes count restarts apart (a node restarted for another's failure does not count
+    it), so there torchrun's own switch is the fix: TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1.
+    """
+    restarts = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or restarts == "0" or env.get("GROUP_WORLD_SIZE") != "1":
+        return None
+    return f"hf_fsdp2/attempt_{restarts}/"
+
+
+def _join_under_prefix(backend: str, prefix: str, device_id: torch.device | None) -> None:
+    """Join torchrun's group through the agent's store, with every key under `prefix`."""
+    env = os.environ
+    rank, world_size = int(env["RANK"]), int(env["WORLD_SIZE"])
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size, is_master=False)
+    dist.init_process_group(
+        backend, store=dist.PrefixStore(prefix, store), rank=rank, world_size=world_size, device_id=device_id
+    )
+
+
+def start_restarted_worker() -> None:
+    """Join a restarted single-node torchrun attempt at import, before TrainingArguments joins it the failing way.
+
+    Accelerate starts the group inside `TrainingArguments(...)`, which a script builds before any
+    hf_fsdp2 code runs; importing hf_fsdp2 is the one earlier point. Only a worker that torchrun restarted
+    and that shares the agent's store does anything here; Accelerate then finds the group started.
+    """
+    if restart_store_prefix(os.environ) is not None and not dist.is_initialized():
+        init_distributed()
+
+
+def _warn_if_restarts_will_fail(env: Mapping[str, str]) -> None:
+    """Say at the first launch when torchrun may restart workers across nodes that share the agent's store."""
+    if (
+        env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        and env.get("TORCHELASTIC_MAX_RESTARTS", "0") != "0"
+        and env.get("GROUP_WORLD_SIZE", "1") != "1"
+        and env.get("RANK") == "0"
+    ):
+        logger.warning(
+            "torchrun may restart these workers (--max-restarts %s) on %s nodes that share the agent's "
+            "rendezvous store: a restart can then fail with 'Gloo/NCCL connect ... refused' (stale addresses). "
+            "Launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment.",
+            env["TORCHELASTIC_MAX_RESTARTS"],
+            env["GROUP_WORLD_SIZE"],
+        )
 
 
 _exit_handler_registered = False

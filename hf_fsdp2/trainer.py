@@ -27,6 +27,9 @@ This is the only module that knows Trainer/Accelerate internals. Every private h
 - `_load_from_checkpoint`, `_load_optimizer_and_scheduler`, `_load_best_model`: DCP loads, any world
   size (tests/test_checkpoint.py resume cases). `_load_rng_state` is Trainer's own.
 - `_finalize_training`: waits for a pending asynchronous save before training ends.
+- `train` handles the preemption signals while it runs (`preemption.PreemptionWatcher`); a callback's
+  `on_step_end` turns an agreed stop into `control.should_save`, and `_save_checkpoint` then writes that
+  step synchronously and raises `Preempted`, skipping `on_train_end` and its export (tests/test_failures.py).
 - `save_model`: writes a from_pretrained-ready folder, gathering one tensor at a time (a PEFT model: its
   adapter folder, or the merged model with `merge_adapters_on_save`).
 PEFT models get adapter-only checkpoints: peft's adapter files plus the DCP optimizer state of the
@@ -63,9 +66,10 @@ from .checkpoint import (
 )
 from .config import FSDP2Config
 from .consolidate import save_pretrained_sharded, write_model_files
-from .distributed import init_distributed, is_rank0, log_rank0
+from .distributed import init_distributed, is_rank0, log_rank0, warn_rank0
 from .facts import describe, facts_of
 from .model import clip_grad_norm, prepare_model
+from .preemption import Preempted, PreemptionCallback, PreemptionWatcher
 from .resume import find_resume_checkpoint
 from .sharding import reshard_all
 from .skeleton import from_pretrained
@@ -97,6 +101,10 @@ class FSDP2Mixin:
             self.model_accepts_loss_kwargs = False
         if self.optimizer is not None:
             repoint_optimizer(self.optimizer, self._original_names, self.model)
+        self._preemption = PreemptionWatcher(
+            self.fsdp2_config.checkpoint_on_signals, self.fsdp2_config.signal_check_steps
+        )
+        self.add_callback(PreemptionCallback(self._preemption))
         if self.fsdp2_config.consolidate_on_train_end and not any(
             isinstance(c, ConsolidateCallback) for c in self.callback_handler.callbacks
         ):
@@ -122,7 +130,8 @@ class FSDP2Mixin:
         output_dir if there is one and starts fresh otherwise, so one command serves every (re)launch."""
         if resume_from_checkpoint == "auto":
             resume_from_checkpoint = find_resume_checkpoint(self.args.output_dir)
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        with self._preemption.watching():
+            return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def create_accelerator_and_postprocess(self) -> None:
         """Shard the model when Trainer first sees it, then let Accelerate shard extra models too."""
@@ -216,8 +225,22 @@ class FSDP2Mixin:
             save_adapter(self.model, staging)  # small and gathered: written before training goes on
         self._save_checkpoint_files(staging)
         self._pending_save = (pending, staging, final, run_dir)
-        if not pending:
+        if not pending or self._preemption.stop_signal:
             self._wait_for_pending_save()
+        if self._preemption.stop_signal:
+            self._stop_preempted(final)
+
+    def _stop_preempted(self, checkpoint: str) -> None:
+        """The preemption checkpoint is on disk: end training here, skipping the end-of-training export."""
+        if self._async_saver is not None:
+            self._async_saver.close()
+            self._async_saver = None
+        signum = self._preemption.stop_signal
+        warn_rank0(
+            "Preempted: %s is complete. Relaunch the same command with resume_from_checkpoint='auto' to go on.",
+            checkpoint,
+        )
+        raise Preempted(signum, self.state.global_step, checkpoint)
 
     def _save_checkpoint_files(self, directory: str) -> None:
         """Everything beside the DCP folders: RNG (every rank), scheduler, state, args, config, tokenizer."""

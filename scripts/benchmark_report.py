@@ -22,6 +22,7 @@ METRICS = (
     ("mfu", "MFU (bf16 dense peak)", "%", False),
     ("train_peak_mib", "training: peak host RAM, worst rank", "MiB", True),
     ("train_gpu_peak_mib", "training: peak GPU memory, worst rank", "MiB", True),
+    ("signal_check_ms", "preemption check (SIGTERM agreement), per step", "ms", True),
     ("save_s", "checkpoint save: loop blocked per save", "s", True),
     ("checkpoint_mib", "checkpoint on disk", "MiB", True),
     ("resume_s", "resume: checkpoint load, slowest rank", "s", True),
@@ -46,6 +47,8 @@ def _run_figures(run: dict, args: argparse.Namespace, flops_per_token: float, pe
         "final_loss": ranks[0]["final_loss"],
         "per_rank": [{"load_peak_mib": r["load_peak_mib"], "train_peak_mib": r["train_peak_mib"]} for r in ranks],
     }
+    if ranks[0].get("signal_check_s"):
+        figures["signal_check_ms"] = 1000 * max(statistics.median(r["signal_check_s"]) for r in ranks)
     if ranks[0].get("resume_s"):
         figures["resume_s"] = max(sum(r["resume_s"]) for r in ranks)
         figures["loss_after_resume"] = ranks[0]["loss_after_resume"]
@@ -152,6 +155,11 @@ def _targets(systems: dict[str, dict], model_bytes: int) -> list[dict]:
             ratio(_median(systems, "hf_fsdp2_async", "save_s"), _median(systems, ours, "save_s")),
             0.3,
         ),
+        (
+            "preemption check ≤ 1% of step time",
+            ratio(_median(systems, ours, "signal_check_ms"), 1000 * (_median(systems, ours, "step_s") or 0)),
+            0.01,
+        ),
         ("consolidation peak RAM ≤ 0.3× model", ratio(_median(systems, ours, "consolidate_peak_mib"), model_mib), 0.3),
         (
             "consolidation time ≤ accelerate merge-weights",
@@ -174,6 +182,11 @@ def _cell(stats: dict, reference: dict | None, digits: int) -> str:
     return text
 
 
+def _ratio_text(value: float) -> str:
+    """Two decimals, or four for the small ratios (a per-step check against a step)."""
+    return f"{value:.2f}×" if value >= 0.1 else f"{value:.4f}×"
+
+
 def render_markdown(summary: dict) -> str:
     """The benchmark's tables: figures with ratios to the reference, per-rank memory, losses, targets."""
     systems, reference = summary["systems"], summary["reference"]
@@ -189,7 +202,7 @@ def render_markdown(summary: dict) -> str:
     for key, label, unit, _ in METRICS:
         if not any(key in systems[s] for s in names):
             continue
-        digits = 0 if unit in ("MiB", "tokens/s") else 2
+        digits = {"MiB": 0, "tokens/s": 0, "ms": 3}.get(unit, 2)
         cells = [
             _cell(systems[s][key], systems[reference].get(key), digits) if key in systems[s] else "–" for s in names
         ]
@@ -224,7 +237,7 @@ def render_markdown(summary: dict) -> str:
     lines += [f"- **{s}**: {systems[s]['notes']}" for s in names if systems[s].get("notes")]
     lines += ["", "| target | measured | met |", "|---|---:|---|"]
     for row in summary["targets"]:
-        measured = "not measured" if row["measured"] is None else f"{row['measured']:.2f}×"
+        measured = "not measured" if row["measured"] is None else _ratio_text(row["measured"])
         met = {True: "yes", False: "**no**", None: "–"}[row["met"]]
         lines.append(f"| {row['target']} | {measured} | {met} |")
     return "\n".join(lines) + "\n"

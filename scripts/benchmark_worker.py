@@ -107,10 +107,13 @@ def train_worker(args: argparse.Namespace) -> None:
     baseline = vm_kib("VmHWM")  # after the imports every system shares (torch, transformers, accelerate)
 
     data = random_tokens(args.samples, args.seq_len, args.vocab)
-    record: dict[str, Any] = {"step_s": [], "losses": [], "save_s": [], "resume_s": []}
+    record: dict[str, Any] = {"step_s": [], "losses": [], "save_s": [], "resume_s": [], "signal_check_s": []}
     start = time.perf_counter()
     trainer = build_trainer(args.system, args, data, [make_probe(baseline, start, record)], resume=False)
     trainer._save_checkpoint = _timed(record["save_s"], trainer._save_checkpoint)
+    watcher = getattr(trainer, "_preemption", None)
+    if watcher is not None:  # hf_fsdp2's per-step preemption check (an all-reduce of one integer)
+        watcher.agreed_stop = _timed(record["signal_check_s"], watcher.agreed_stop)
     trainer.train()
     _sync()
     record["train_peak_mib"] = (vm_kib("VmHWM") - baseline) / 1024

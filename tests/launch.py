@@ -12,8 +12,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKERS = os.path.join(ROOT, "tests", "workers")
 
 
-def run(script: str, nproc: int, *args: str, timeout: int = 600, expect_ok: bool = True) -> subprocess.CompletedProcess:
-    """Run tests/workers/`script` on `nproc` ranks (nproc=0: plain python, no torchrun, world size 1)."""
+def run(
+    script: str,
+    nproc: int,
+    *args: str,
+    timeout: int = 600,
+    expect_ok: bool = True,
+    launcher_args: tuple[str, ...] = (),
+) -> subprocess.CompletedProcess:
+    """Run tests/workers/`script` on `nproc` ranks (nproc=0: plain python, no torchrun, world size 1);
+    `launcher_args` go to torchrun (e.g. `--max-restarts=1`)."""
     path = os.path.join(WORKERS, script)
     if nproc == 0:
         command = [sys.executable, path, *args]
@@ -24,6 +32,7 @@ def run(script: str, nproc: int, *args: str, timeout: int = 600, expect_ok: bool
             "torch.distributed.run",
             "--standalone",
             f"--nproc_per_node={nproc}",
+            *launcher_args,
             path,
             *args,
         ]

@@ -97,6 +97,7 @@ def _run(load_s: float, step_s: float, save_s: float, ckpt_mib: float, consolida
         "save_s": [save_s, save_s],
         "train_peak_mib": 500.0,
         "resume_s": [0.5, 0.25],
+        "signal_check_s": [0.002, 0.004, 0.003],
         "loss_after_resume": 1.4,
         "load_gpu_peak_mib": None,
         "train_gpu_peak_mib": None,
@@ -131,6 +132,10 @@ def test_summary_ratios_and_targets_on_fixed_numbers():
     assert targets["blocked save time with async_save ≤ 0.3× sync"]["measured"] == pytest.approx(0.25)
     assert targets["consolidation peak RAM ≤ 0.3× model"]["measured"] == pytest.approx(0.25)
     assert targets["consolidation time ≤ accelerate merge-weights"]["measured"] == pytest.approx(0.5)
+    # 3 ms median check against a 1.1 s step
+    assert targets["preemption check ≤ 1% of step time"]["measured"] == pytest.approx(0.003 / 1.1)
     markdown = render_markdown(summary)
     assert "| training step (steady state) (s) | 1.10 (1.00–1.20) **1.10×** |" in markdown
     assert "| training step time ≤ 1.0× accelerate_fsdp2 | 1.10× | **no** |" in markdown
+    assert "| preemption check ≤ 1% of step time | 0.0027× | yes |" in markdown
+    assert "| preemption check (SIGTERM agreement), per step (ms) | 3.000 " in markdown

@@ -14,7 +14,13 @@ import torch
 from datasets import Dataset
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, TrainingArguments, set_seed
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    TrainerCallback,
+    TrainingArguments,
+    set_seed,
+)
 
 from hf_fsdp2 import FSDP2Config, FSDP2Trainer, close_distributed, from_pretrained
 from tests.tiny_models import tiny_tokenizer
@@ -90,6 +96,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-use-cpu", action="store_true", help="leave use_cpu off even without a GPU")
     p.add_argument("--seed-checkpoint", default=None, help="copy this checkpoint-N folder into the run dir first")
     p.add_argument("--kill-in-save", type=int, default=0, help="rank 1 SIGKILLs itself inside its N-th save")
+    p.add_argument("--kill-at", type=int, default=0, help="first attempt only: rank 1 SIGKILLs itself after step N")
+    p.add_argument("--signal-at", type=int, default=0, help="after step N, --signal-rank sends SIGTERM to --signal-to")
+    p.add_argument("--signal-rank", type=int, default=1)
+    p.add_argument("--signal-to", default="self", choices=["self", "agent"], help="itself, or torchrun's agent")
+    p.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step takes at least")
     return p.parse_args(argv)
 
 
@@ -113,6 +124,28 @@ def kill_inside_save(nth: int) -> None:
         return future
 
     FileSystemWriter.write_data = write_then_die
+
+
+class Disruptions(TrainerCallback):
+    """Faults injected at a step boundary: a SIGKILLed rank, a SIGTERM to one rank or to torchrun's agent."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args, self.rank = args, int(os.environ.get("RANK", "0"))
+        self.first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        self.steps_run = 0  # optimizer steps this process ran (fewer than global_step after a resume)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        import signal
+        import time
+
+        time.sleep(self.args.step_sleep)
+        self.steps_run += 1
+        step = state.global_step
+        if step == self.args.kill_at and self.rank == 1 and self.first_attempt:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if step == self.args.signal_at and self.rank == self.args.signal_rank:
+            os.kill(os.getpid() if self.args.signal_to == "self" else os.getppid(), signal.SIGTERM)
+        return control
 
 
 def seed_checkpoint(checkpoint: str, run_dir: str) -> None:
@@ -226,11 +259,14 @@ def train(argv: list[str]) -> None:
         optimizers=optimizers,
         processing_class=tiny_tokenizer() if args.tokenizer else None,
     )
+    disruptions = Disruptions(args)
+    trainer.add_callback(disruptions)
     result: dict = {"world": world}
     if args.evaluate_first:
         result["eval_before"] = trainer.evaluate()["eval_loss"]
     resume = True if args.resume == "last" else args.resume
     trainer.train(resume_from_checkpoint=resume)
+    result["steps_run"] = disruptions.steps_run
     history = [h for h in trainer.state.log_history if "loss" in h]
     result["steps"] = [h["step"] for h in history]
     result["losses"] = [h["loss"] for h in history]

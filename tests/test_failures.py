@@ -1,0 +1,125 @@
+"""Surviving failures with real processes: a SIGKILLed rank under `torchrun --max-restarts`, a SIGTERM to
+torchrun's agent or to one rank, each ending with the weights of a run that never failed."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+
+import pytest
+import torch
+
+from tests.launch import load_result, run, run_batch
+
+STEPS = 12
+FULL = ("--steps", str(STEPS))
+LORA = ("--steps", str(STEPS), "--lora", "q_proj,v_proj")
+
+
+def flags(out: str, model: str, *extra: str) -> list[str]:
+    return ["--model", model, "--out", out, *extra]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny) -> dict[str, dict]:
+    """References (one launch), then each drill: its failing launch(es) and what a relaunch with auto gave."""
+    root = tmp_path_factory.mktemp("failures")
+    model = tiny("llama")
+    out = {name: str(root / name) for name in ("reference", "lora_reference", "agent", "one_rank", "killed")}
+    run_batch(
+        "train_worker.py",
+        2,
+        [flags(out["reference"], model, *FULL), flags(out["lora_reference"], model, *LORA)],
+        str(root / "batches"),
+    )
+    # SIGTERM to torchrun's agent after step 3 (it forwards it to every worker); steps take >= 0.3 s. Async
+    # saves every 2 steps, so one may still be in flight when the preemption checkpoint starts.
+    saves = ("--save-steps", "2", "--async-save")
+    signal = ("--signal-at", "3", "--signal-rank", "0", "--signal-to", "agent", "--step-sleep", "0.3")
+    agent = run("train_worker.py", 2, *flags(out["agent"], model, *FULL, *saves, *signal), expect_ok=False)
+    agent_checkpoints = _checkpoints(out["agent"])
+    run("train_worker.py", 2, *flags(out["agent"], model, *FULL, *saves, "--resume", "auto"))
+    # SIGTERM to rank 1 alone after step 3 (a LoRA run): rank 0 must learn of it through the check.
+    one_rank = run("train_worker.py", 2, *flags(out["one_rank"], model, *LORA, "--signal-at", "3"), expect_ok=False)
+    one_rank_checkpoints = _checkpoints(out["one_rank"])
+    one_rank_exported = os.path.exists(os.path.join(out["one_rank"], "run", "adapter_model.safetensors"))
+    run("train_worker.py", 2, *flags(out["one_rank"], model, *LORA, "--resume", "auto"))
+    # Rank 1 SIGKILLed after step 7 (first attempt only); checkpoints every 5 steps; torchrun restarts once.
+    killed = run(
+        "train_worker.py",
+        2,
+        *flags(out["killed"], model, *FULL, "--save-steps", "5", "--kill-at", "7", "--resume", "auto"),
+        launcher_args=("--max-restarts=1",),
+    )
+    return {
+        "out": out,
+        "agent": {"proc": agent, "checkpoints": agent_checkpoints},
+        "one_rank": {"proc": one_rank, "checkpoints": one_rank_checkpoints, "exported": one_rank_exported},
+        "killed": {"proc": killed},
+    }
+
+
+def _checkpoints(out: str) -> list[int]:
+    return sorted(int(p.rsplit("-", 1)[1]) for p in glob.glob(os.path.join(out, "run", "checkpoint-*")))
+
+
+def _weights(out: str) -> dict[str, torch.Tensor]:
+    return torch.load(os.path.join(out, "weights.pt"))
+
+
+def _assert_same_weights(out: str, reference: str) -> None:
+    got, expected = _weights(out), _weights(reference)
+    assert got.keys() == expected.keys()
+    for name in expected:
+        assert torch.equal(got[name], expected[name]), f"{name} differs from the uninterrupted run"
+
+
+def _saved_step(proc) -> int:
+    """The step the preemption message says every rank finished."""
+    found = re.findall(r"SIGTERM received: saving checkpoint-(\d+)", proc.stderr + proc.stdout)
+    assert len(found) == 1, (proc.stdout[-2000:], proc.stderr[-4000:])
+    return int(found[0])
+
+
+def test_sigterm_to_torchrun_checkpoints_the_step_reached_and_exits_non_zero(runs):
+    drill = runs["agent"]
+    assert drill["proc"].returncode != 0, "a preempted job must exit non-zero so the scheduler requeues it"
+    step = _saved_step(drill["proc"])
+    assert 3 < step < STEPS
+    assert max(drill["checkpoints"]) == step, "the step reached is the newest checkpoint"
+    assert [c for c in drill["checkpoints"] if c != step] == list(range(2, step, 2)), "after every save step before it"
+    state_file = os.path.join(runs["out"]["agent"], "run", f"checkpoint-{step}", "trainer_state.json")
+    with open(state_file) as f:
+        assert json.load(f)["global_step"] == step
+
+
+def test_relaunch_after_sigterm_ends_with_the_uninterrupted_weights(runs):
+    out = runs["out"]
+    _assert_same_weights(out["agent"], out["reference"])
+    step = _saved_step(runs["agent"]["proc"])
+    expected = dict(zip(load_result(out["reference"])["steps"], load_result(out["reference"])["losses"], strict=True))
+    resumed = load_result(out["agent"])
+    assert resumed["steps_run"] == STEPS - step, "the relaunch went on from the preemption checkpoint"
+    assert resumed["losses"] == [expected[s] for s in resumed["steps"]]
+
+
+def test_a_signal_that_reaches_one_rank_stops_every_rank_after_the_same_step(runs):
+    drill = runs["one_rank"]
+    assert drill["proc"].returncode != 0
+    # Rank 1 signals itself at the end of step 3; the next check (after step 4) is where all ranks agree.
+    assert _saved_step(drill["proc"]) == 4 and drill["checkpoints"] == [4]
+    checkpoint = os.path.join(runs["out"]["one_rank"], "run", "checkpoint-4")
+    assert os.path.isfile(os.path.join(checkpoint, "adapter_model.safetensors")), "a LoRA run: adapter-only"
+    assert not drill["exported"], "a preempted run skips the end-of-training export"
+    assert "exitcode  : 143" in drill["proc"].stderr, "a preempted worker exits with 128 + SIGTERM"
+    _assert_same_weights(runs["out"]["one_rank"], runs["out"]["lora_reference"])
+
+
+def test_a_killed_rank_under_max_restarts_resumes_and_ends_with_the_uninterrupted_weights(runs):
+    proc = runs["killed"]["proc"]
+    assert "exitcode: -9" in proc.stderr, "rank 1 was SIGKILLed and torchrun restarted the workers"
+    assert "connectFullMesh" not in proc.stderr
+    assert load_result(runs["out"]["killed"])["steps_run"] == STEPS - 5, "the restarted workers resumed at step 5"
+    _assert_same_weights(runs["out"]["killed"], runs["out"]["reference"])
