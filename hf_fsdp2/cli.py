@@ -1,10 +1,11 @@
-"""The `hf-fsdp2` command line: offline jobs on checkpoints, no process group needed."""
+"""The `hf-fsdp2` command line: offline jobs on checkpoints and run planning, no process group needed."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from . import __version__
 from .config import DTYPES
@@ -30,7 +31,71 @@ def build_parser() -> argparse.ArgumentParser:
     consolidate.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
     consolidate.add_argument("--dtype", choices=list(DTYPES), default=None, help="cast floating tensors")
     consolidate.add_argument("--overwrite", action="store_true", help="write into a non-empty output_dir")
+    _add_plan_parser(commands)
     return parser
+
+
+def _add_plan_parser(commands: Any) -> None:
+    """`hf-fsdp2 plan`: per-rank memory of every phase of a run, before launching it."""
+    plan = commands.add_parser(
+        "plan",
+        help="predict each rank's memory in every phase of a run, and whether it fits",
+        description="Reads only the model's config (a folder or config.json), builds it on the meta device and "
+        "traces one forward/backward on fake tensors for the activations.",
+    )
+    plan.add_argument("model", help="a Hugging Face model folder or its config.json")
+    plan.add_argument("--nproc", type=int, default=1, help="ranks in all (torchrun --nproc_per_node x nodes)")
+    plan.add_argument("--hsdp", type=int, default=1, help="HSDP replicas (hsdp_replicate_size)")
+    plan.add_argument("--bf16", action="store_true", help="bf16 compute with fp32 master weights")
+    plan.add_argument("--lora", default=None, metavar="r=16,targets=q_proj,v_proj", help="train a LoRA adapter")
+    plan.add_argument("--batch", type=int, default=1, help="per-device batch size")
+    plan.add_argument("--seq", type=int, default=512, help="tokens per sequence")
+    plan.add_argument("--activation-checkpointing", action="store_true")
+    plan.add_argument("--cpu-offload", action="store_true")
+    plan.add_argument("--optim", default="adamw_torch_fused", help="TrainingArguments.optim (default: Trainer's)")
+    plan.add_argument("--device-memory", default=None, help="memory per rank, e.g. 80GiB (default: detected)")
+    plan.add_argument("--json", action="store_true", help="print the figures as JSON")
+
+
+def parse_lora(text: str) -> tuple[int, tuple[str, ...]]:
+    """`r=16,targets=q_proj,v_proj` → (16, ("q_proj", "v_proj")).
+
+    Raises:
+        ValueError: when r is missing or not a positive integer.
+    """
+    r, targets, key = None, [], None
+    for item in text.split(","):
+        name, sep, value = item.partition("=")
+        if sep:
+            key = name.strip()
+            item = value
+        if key == "r":
+            r = item.strip()
+        elif key == "targets":
+            targets.append(item.strip())
+        else:
+            raise ValueError(f"--lora {text!r}: write r=16,targets=q_proj,v_proj")
+    if r is None or not r.isdigit() or int(r) < 1:
+        raise ValueError(f"--lora {text!r}: r must be a positive integer (r=16,targets=q_proj,v_proj)")
+    return int(r), tuple(t for t in targets if t)
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    """Print the plan (table or JSON); exit 0 when training fits, 1 when it does not."""
+    import json
+
+    from .hf_export import parse_size
+    from .memory_plan import DEFAULT_LORA_TARGETS, format_plan, plan
+
+    r, targets = parse_lora(args.lora) if args.lora else (None, DEFAULT_LORA_TARGETS)
+    result = plan(
+        args.model, nproc=args.nproc, hsdp=args.hsdp, bf16=args.bf16, lora_r=r,
+        lora_targets=targets or DEFAULT_LORA_TARGETS, batch=args.batch, seq=args.seq,
+        activation_checkpointing=args.activation_checkpointing, cpu_offload=args.cpu_offload, optim=args.optim,
+        device_memory=parse_size(args.device_memory) if args.device_memory else None,
+    )  # fmt: skip
+    print(json.dumps(result.to_dict(), indent=2) if args.json else format_plan(result))
+    return 0 if result.fits else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -40,6 +105,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
+    if args.command == "plan":
+        try:
+            return _run_plan(args)
+        except ValueError as error:
+            print(f"hf-fsdp2 plan: error: {error}", file=sys.stderr)
+            return 2
     from .consolidate import consolidate
 
     try:

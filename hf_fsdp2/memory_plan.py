@@ -1,0 +1,329 @@
+"""`hf_fsdp2.plan`: what each rank will hold in each phase of a run, before launching it.
+
+Everything is derived from the model's config on the meta device (nothing but config.json is read) and
+from what this pipeline does in each phase:
+- load: this rank's shards (trainable ones as fp32 masters under bf16), the replicated buffers, and
+  the largest slice read from the safetensors files at once;
+- training: sharded parameters, gradients and optimizer state; the root unit (kept gathered through
+  forward and backward), two gathered blocks (the one computing and the one prefetched) plus the
+  unsharded gradients and reduce-scatter input of one block; activations from a fake-tensor trace of
+  one forward/backward at the per-device batch (`activation_trace`); the optimizer step's temporaries;
+- checkpoint save: training state plus one tensor's serialization (sync), or a host copy of this rank's
+  model and optimizer shards (async staging);
+- export (`save_model`, end of training): one gathered full tensor on every rank, plus rank 0's copy;
+- offline consolidation: one process, about twice the largest tensor.
+Figures are validated against measurement by `scripts/validate_plan.py`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+GIB = 2**30
+# Optimizer state per trainable element, in units of the parameter's own size.
+OPTIMIZER_STATES = {"adamw_torch": 2, "adamw_torch_fused": 2, "adamw_hf": 2, "sgd": 0, "adagrad": 1, "rmsprop": 1}
+# What foreach/fused optimizer steps allocate on top (intermediate lists the size of the gradients).
+_STEP_TEMPORARIES = {"adamw_torch": 1, "adamw_torch_fused": 0, "adamw_hf": 1, "sgd": 0, "adagrad": 1, "rmsprop": 1}
+DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """The run to plan: model, ranks, precision, adapters, batch and the memory-saving switches."""
+
+    model: str
+    nproc: int = 1
+    hsdp: int = 1
+    bf16: bool = False
+    lora_r: int | None = None
+    lora_targets: tuple[str, ...] = DEFAULT_LORA_TARGETS
+    batch: int = 1
+    seq: int = 512
+    activation_checkpointing: bool = False
+    cpu_offload: bool = False
+    optim: str = "adamw_torch_fused"  # Trainer's default
+    device_memory: int | None = None
+
+
+@dataclass
+class Phase:
+    """Peak bytes one rank holds in one phase, and what they are."""
+
+    name: str
+    parts: dict[str, int]
+    where: str = "device"  # "device" (accelerator, or host RAM without one) or "host"
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+
+@dataclass
+class MemoryPlan:
+    """Per-rank peaks of every phase, the verdict against the memory available and what would fit."""
+
+    request: PlanRequest
+    phases: list[Phase]
+    device_memory: int
+    training_peak: int
+    fits: bool
+    alternatives: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for `--json`."""
+        return {
+            "request": asdict(self.request),
+            "phases": [{"name": p.name, "where": p.where, "total": p.total, "parts": p.parts} for p in self.phases],
+            "device_memory": self.device_memory,
+            "training_peak": self.training_peak,
+            "fits": self.fits,
+            "alternatives": self.alternatives,
+        }
+
+
+@dataclass
+class ModelSizes:
+    """What the arithmetic needs from the model: element counts and bytes, by role."""
+
+    params_bytes: int  # every parameter as stored on a rank before sharding (fp32 masters counted at 4 bytes)
+    trainable_numel: int
+    trainable_bytes: int  # as stored (fp32 masters under bf16)
+    buffers_bytes: int
+    largest_tensor_bytes: int  # as stored in the checkpoint
+    largest_unit_numel: int
+    root_numel: int
+    block_classes: list[str]
+    config: Any = None
+    load_dtype: torch.dtype = torch.float32
+
+
+def plan(
+    model: str | os.PathLike,
+    nproc: int = 1,
+    hsdp: int = 1,
+    bf16: bool = False,
+    lora_r: int | None = None,
+    lora_targets: tuple[str, ...] = DEFAULT_LORA_TARGETS,
+    batch: int = 1,
+    seq: int = 512,
+    activation_checkpointing: bool = False,
+    cpu_offload: bool = False,
+    optim: str = "adamw_torch_fused",
+    device_memory: int | None = None,
+) -> MemoryPlan:
+    """Plan a run of `model` (a folder or a config.json): per-rank bytes per phase, verdict, alternatives.
+
+    Raises:
+        ValueError: for an optimizer without a known state size, or ranks that HSDP cannot split.
+    """
+    request = PlanRequest(
+        os.fspath(model), nproc, hsdp, bf16, lora_r, tuple(lora_targets), batch, seq, activation_checkpointing,
+        cpu_offload, optim, device_memory,
+    )  # fmt: skip
+    return plan_request(request)
+
+
+def plan_request(request: PlanRequest) -> MemoryPlan:
+    """`plan` for a PlanRequest; the alternatives are planned the same way."""
+    _validate(request)
+    sizes = model_sizes(request)
+    phases = phases_for(request, sizes, _cached_activations(request, sizes))
+    training = next(p for p in phases if p.name == "training").total
+    available = request.device_memory or detect_device_memory(request.nproc)
+    result = MemoryPlan(request, phases, available, training, training <= available)
+    if not result.fits:
+        result.alternatives = _alternatives(request, available)
+    return result
+
+
+def _validate(request: PlanRequest) -> None:
+    if request.optim not in OPTIMIZER_STATES:
+        raise ValueError(f"--optim {request.optim!r}: the planner knows {sorted(OPTIMIZER_STATES)}.")
+    if request.nproc < 1 or request.hsdp < 1 or request.nproc % request.hsdp:
+        raise ValueError(f"--hsdp {request.hsdp} must divide --nproc {request.nproc} (both >= 1).")
+
+
+def load_config(model: str) -> Any:
+    """The model's config from a folder or a config.json file.
+
+    Raises:
+        ValueError: when there is no config.json at `model`.
+    """
+    from transformers import AutoConfig
+
+    path = os.path.dirname(model) if model.endswith(".json") else model
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"{model}: no config.json there; pass a model folder or its config.json.")
+    return AutoConfig.from_pretrained(path)
+
+
+def model_sizes(request: PlanRequest) -> ModelSizes:
+    """Count parameters by role on a meta skeleton (with the LoRA adapters, when asked for)."""
+    from transformers import AutoModelForCausalLM
+
+    from .config import FSDP2Config
+    from .sharding import block_classes, select_units
+
+    config = load_config(request.model)
+    dtype = config.dtype if isinstance(config.dtype, torch.dtype) else torch.float32
+    with torch.device("meta"):
+        model: nn.Module = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if request.lora_r:
+        from peft import get_peft_model
+
+        model = get_peft_model(model, _lora_config(request))
+    units = select_units(model, FSDP2Config())
+    in_units = {id(p) for unit in units for p in unit.parameters()}
+    stored = {id(p): _stored_bytes(p, request.bf16) for p in model.parameters()}
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return ModelSizes(
+        params_bytes=sum(p.numel() * stored[id(p)] for p in model.parameters()),
+        trainable_numel=sum(p.numel() for p in trainable),
+        trainable_bytes=sum(p.numel() * stored[id(p)] for p in trainable),
+        buffers_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
+        largest_tensor_bytes=max(p.numel() * p.element_size() for p in model.parameters()),
+        largest_unit_numel=max((sum(p.numel() for p in unit.parameters()) for unit in units), default=0),
+        root_numel=sum(p.numel() for p in model.parameters() if id(p) not in in_units),
+        block_classes=block_classes(model, FSDP2Config()),
+        config=config,
+        load_dtype=dtype,
+    )
+
+
+def _lora_config(request: PlanRequest) -> Any:
+    from peft import LoraConfig
+
+    return LoraConfig(r=request.lora_r, lora_alpha=2 * request.lora_r, target_modules=list(request.lora_targets))
+
+
+def _stored_bytes(param: torch.Tensor, bf16: bool) -> int:
+    """Bytes per element of a parameter's shard: trainable low-precision ones become fp32 masters under bf16."""
+    if bf16 and param.requires_grad and param.dtype != torch.float32:
+        return 4
+    return param.element_size()
+
+
+def _activations(request: PlanRequest, sizes: ModelSizes) -> int:
+    """Traced activation bytes at the per-device batch, in the compute dtype."""
+    from .activation_trace import traced_activation_bytes
+
+    compute = torch.bfloat16 if request.bf16 else sizes.load_dtype
+    blocks = sizes.block_classes if request.activation_checkpointing else None
+    lora = _lora_config(request) if request.lora_r else None
+    return traced_activation_bytes(sizes.config, compute, request.batch, request.seq, blocks, lora)
+
+
+def phases_for(request: PlanRequest, sizes: ModelSizes, activations: int) -> list[Phase]:
+    """The per-rank peak of each phase (pure arithmetic over the sizes and the traced activations)."""
+    shard = request.nproc // request.hsdp
+    compute = 2 if request.bf16 else sizes.load_dtype.itemsize
+    reduce = 4
+    params = sizes.params_bytes // shard
+    grads = sizes.trainable_bytes // shard
+    optimizer = OPTIMIZER_STATES[request.optim] * sizes.trainable_bytes // shard
+    step_temp = _STEP_TEMPORARIES[request.optim] * grads
+    gathered = (sizes.root_numel + 2 * sizes.largest_unit_numel) * compute if shard > 1 else 0
+    unit_grads = sizes.largest_unit_numel * (compute + reduce) if shard > 1 else 0
+    resident = {"sharded parameters": params, "optimizer state": optimizer, "buffers": sizes.buffers_bytes}
+    if request.cpu_offload:
+        resident = {"buffers": sizes.buffers_bytes}  # shards and optimizer state live in host memory
+    forward_backward = {**resident, "gathered units": gathered + unit_grads, "activations": activations}
+    step = {**resident, "gradients": grads if not request.cpu_offload else 0, "optimizer step temporaries": step_temp}
+    training = forward_backward if sum(forward_backward.values()) >= sum(step.values()) else step
+    largest_slice = sizes.largest_tensor_bytes // shard
+    phases = [
+        Phase("load", {"sharded parameters": params, "buffers": sizes.buffers_bytes, "read slice": largest_slice}),
+        Phase("training", training),
+        Phase("checkpoint save (sync)", {**resident, "serialized tensor": largest_slice}),
+        Phase("checkpoint save (async staging)", {"host copy of shards": params + optimizer}, where="host"),
+        Phase("export (save_model)", {**resident, "gathered tensor": 2 * sizes.largest_tensor_bytes}),
+        Phase("offline consolidation", {"read + write buffers": 2 * sizes.largest_tensor_bytes}, where="host"),
+    ]
+    return phases
+
+
+def detect_device_memory(nproc: int) -> int:
+    """This machine's accelerator memory, or its RAM shared by `nproc` ranks when it has none."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory
+    with open("/proc/meminfo") as f:
+        total_kib = int(next(line for line in f if line.startswith("MemTotal:")).split()[1])
+    return total_kib * 1024 // nproc
+
+
+def _alternatives(request: PlanRequest, available: int) -> list[dict[str, Any]]:
+    """Single changes that fit, with their training peaks: the fewest more ranks, activation checkpointing,
+    CPU offload, LoRA (r=16 on the attention projections)."""
+    found: list[dict[str, Any]] = []
+    for factor in (2, 4, 8, 16, 32, 64, 128):
+        candidate = replace(request, nproc=request.nproc * factor)
+        if _training_peak(candidate) <= available:
+            found.append(_alternative(request, candidate))
+            break
+    switches = [replace(request, activation_checkpointing=True), replace(request, cpu_offload=True)]
+    switches += [replace(request, lora_r=16)] if not request.lora_r else []
+    found += [_alternative(request, c) for c in switches if c != request and _training_peak(c) <= available]
+    return found
+
+
+def _alternative(before: PlanRequest, after: PlanRequest) -> dict[str, Any]:
+    return {"change": _describe_change(before, after), "training_peak": _training_peak(after)}
+
+
+@functools.lru_cache(maxsize=64)
+def _training_peak(request: PlanRequest) -> int:
+    sizes = model_sizes(request)
+    phases = phases_for(request, sizes, _cached_activations(request, sizes))
+    return next(p for p in phases if p.name == "training").total
+
+
+def _cached_activations(request: PlanRequest, sizes: ModelSizes) -> int:
+    """Activations do not depend on the number of ranks or on offload: trace each other case once."""
+    key = replace(request, nproc=1, hsdp=1, cpu_offload=False, device_memory=None, optim="adamw_torch_fused")
+    if key not in _ACTIVATIONS:
+        _ACTIVATIONS[key] = _activations(request, sizes)
+    return _ACTIVATIONS[key]
+
+
+_ACTIVATIONS: dict[PlanRequest, int] = {}
+
+
+def _describe_change(before: PlanRequest, after: PlanRequest) -> str:
+    changed = [f"{k}={v}" for k, v in asdict(after).items() if asdict(before)[k] != v]
+    return ", ".join(changed)
+
+
+def format_plan(result: MemoryPlan) -> str:
+    """The plan as a readable table: one row per phase, its parts, then the verdict."""
+    r = result.request
+    lines = [
+        f"Plan for {r.model}: {r.nproc} rank(s){f' (HSDP {r.hsdp} replicas)' if r.hsdp > 1 else ''}, "
+        f"{'bf16' if r.bf16 else 'checkpoint dtype'}, {f'LoRA r={r.lora_r}' if r.lora_r else 'full fine-tuning'}, "
+        f"batch {r.batch} × seq {r.seq} per device, "
+        f"activation checkpointing {'on' if r.activation_checkpointing else 'off'}"
+        f"{', CPU offload' if r.cpu_offload else ''}, {r.optim}.",
+        "",
+        "| phase (per rank) | peak | made of |",
+        "|---|---:|---|",
+    ]
+    for phase in result.phases:
+        parts = ", ".join(f"{name} {_gib(value)}" for name, value in phase.parts.items() if value)
+        where = " (host)" if phase.where == "host" else ""
+        lines.append(f"| {phase.name}{where} | {_gib(phase.total)} | {parts} |")
+    verdict = "fits" if result.fits else "does NOT fit"
+    lines += ["", f"Training peak {_gib(result.training_peak)} per rank {verdict} in {_gib(result.device_memory)}."]
+    for alt in result.alternatives:
+        lines.append(f"  fits with {alt['change']}: {_gib(alt['training_peak'])}")
+    if not result.fits and not result.alternatives:
+        lines.append("  no single change fits; combine them (more ranks with activation checkpointing and LoRA).")
+    return "\n".join(lines)
+
+
+def _gib(value: int) -> str:
+    return f"{value / GIB:.2f} GiB"

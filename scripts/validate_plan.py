@@ -1,0 +1,167 @@
+"""Compare `hf-fsdp2 plan`'s per-rank load and training peaks with what real runs measure on this machine.
+
+For every case of the matrix (model size × ranks × full/LoRA × activation checkpointing) it plans the run,
+then launches it with torchrun (CPU, gloo): each rank records VmHWM (peak resident set) right after the
+imports, after FSDP2Trainer is built (load) and after a few training steps (training), and reports the
+peaks above the after-import baseline, as the other memory scripts do. The table shows predicted and
+measured MiB of the worst rank and their ratio; the goal is every ratio within 0.85–1.15.
+
+Usage:
+    python scripts/validate_plan.py                       # the default matrix (about 10 minutes on 2 cores)
+    python scripts/validate_plan.py --quick --json plan_validation.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from measure_load_memory import MIB, build_model, vm_kib  # noqa: E402
+
+SIZES = {"small": (6, 512), "medium": (12, 768)}  # layers, hidden (vocab 16000): ~30M and ~100M parameters
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="small,medium", help=f"comma-separated subset of {list(SIZES)}")
+    parser.add_argument("--nproc", default="1,2,4", help="comma-separated rank counts")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="medium model, 2 ranks only")
+    parser.add_argument("--workdir", default="/tmp/hf_fsdp2_validate_plan")
+    parser.add_argument("--json", default=None, help="write every case here")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--model-path", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--lora", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--ac", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One rank of one case: load, train a few steps, report VmHWM above the after-import baseline."""
+    import torch
+    import torch.distributed as dist
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, TrainingArguments
+
+    from hf_fsdp2 import FSDP2Config, FSDP2Trainer, from_pretrained
+
+    baseline = vm_kib("VmHWM")
+    model = from_pretrained(args.model_path, AutoModelForCausalLM)
+    if args.lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(
+            model, LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+        )
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    ids = torch.randint(3, 16000, (args.batch * world * args.steps, args.seq)).tolist()
+    data = Dataset.from_dict({"input_ids": ids, "labels": ids})
+    targs = TrainingArguments(
+        output_dir=os.path.join(args.workdir, "run"), per_device_train_batch_size=args.batch, max_steps=args.steps,
+        report_to=[], use_cpu=True, save_strategy="no", logging_steps=1, disable_tqdm=True,
+    )  # fmt: skip
+    config = FSDP2Config(fsdp_activation_checkpointing=args.ac, consolidate_on_train_end=False)
+    trainer = FSDP2Trainer(model, targs, fsdp2_config=config, train_dataset=data)
+    load = vm_kib("VmHWM")
+    trainer.train()
+    train = vm_kib("VmHWM")
+    row = {"load_mib": (load - baseline) / 1024, "train_mib": (train - baseline) / 1024}
+    rows: list = [None] * dist.get_world_size()
+    dist.all_gather_object(rows, row)
+    if dist.get_rank() == 0:
+        with open(args.result, "w") as f:
+            json.dump(rows, f)
+
+
+def measure(args: argparse.Namespace, model_path: str, nproc: int, lora: bool, ac: bool) -> list[dict]:
+    """Launch one case; return each rank's measured peaks."""
+    result = os.path.join(args.workdir, "result.json")
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+        os.path.abspath(__file__), "--worker", "--model-path", model_path, "--result", result,
+        "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps), "--workdir", args.workdir,
+        *(["--lora"] if lora else []), *(["--ac"] if ac else []),
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"case failed: {' '.join(command)}\n{proc.stdout[-6000:]}")
+    with open(result) as f:
+        return json.load(f)
+
+
+def main() -> None:
+    args = parse_args()
+    if args.worker:
+        return worker(args)
+    from hf_fsdp2.memory_plan import plan
+
+    sizes = ["medium"] if args.quick else args.sizes.split(",")
+    ranks = [2] if args.quick else [int(n) for n in args.nproc.split(",")]
+    os.makedirs(args.workdir, exist_ok=True)
+    cases = []
+    started = time.perf_counter()
+    for size in sizes:
+        layers, hidden = SIZES[size]
+        path = os.path.join(args.workdir, f"llama-{size}")
+        build_model(path, layers, hidden=hidden)
+        for nproc in ranks:
+            for lora in (False, True):
+                for ac in (False, True):
+                    predicted = plan(
+                        path, nproc=nproc, lora_r=16 if lora else None, batch=args.batch, seq=args.seq,
+                        activation_checkpointing=ac, device_memory=2**40,
+                    )  # fmt: skip
+                    phases = {p.name: p.total / MIB for p in predicted.phases}
+                    rows = measure(args, path, nproc, lora, ac)
+                    case = {
+                        "size": size, "nproc": nproc, "lora": lora, "ac": ac,
+                        "load": {"predicted": phases["load"], "measured": max(r["load_mib"] for r in rows)},
+                        "training": {
+                            "predicted": phases["training"],
+                            # VmHWM is a high-water mark: training's own peak is at least the load's.
+                            "measured": max(r["train_mib"] for r in rows),
+                        },
+                    }  # fmt: skip
+                    cases.append(case)
+                    print(f"[{time.perf_counter() - started:5.0f} s] {_row(case)}", flush=True)
+    print(render(cases, args))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "cases": cases}, f, indent=2)
+
+
+def _row(case: dict) -> str:
+    cells = [case["size"], str(case["nproc"]), "LoRA" if case["lora"] else "full", "on" if case["ac"] else "off"]
+    for phase in ("load", "training"):
+        p, m = case[phase]["predicted"], case[phase]["measured"]
+        cells += [f"{p:.0f}", f"{m:.0f}", f"{p / m:.2f}" if m > 0 else "–"]
+    return "| " + " | ".join(cells) + " |"
+
+
+def render(cases: list[dict], args: argparse.Namespace) -> str:
+    """The markdown table the README shows."""
+    lines = [
+        f"Per-rank peak above the after-import baseline (MiB, worst rank), batch {args.batch} × seq {args.seq}, "
+        f"{args.steps} steps, fp32, AdamW, CPU/gloo. Ratio = predicted / measured (goal 0.85–1.15).",
+        "",
+        "| model | ranks | tuning | act. ckpt | load predicted | load measured | ratio | training predicted "
+        "| training measured | ratio |",
+        "|---|---:|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    lines += [_row(case) for case in cases]
+    within = [abs(c[p]["predicted"] / c[p]["measured"] - 1) <= 0.15 for c in cases for p in ("load", "training")]
+    lines += ["", f"{sum(within)} of {len(within)} figures within ±15%."]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""`hf-fsdp2 plan`: the per-rank arithmetic on fixed sizes, the activation trace, the command line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hf_fsdp2.activation_trace import LiveBytes, traced_activation_bytes
+from hf_fsdp2.cli import main, parse_lora
+from hf_fsdp2.memory_plan import ModelSizes, PlanRequest, load_config, phases_for, plan
+
+MIB = 2**20
+
+
+def sizes(**overrides) -> ModelSizes:
+    """A 100 MiB fp32 model: 60 MiB trainable, blocks of 10 MiB, a 20 MiB root, a 16 MiB largest tensor."""
+    base = dict(
+        params_bytes=100 * MIB, trainable_numel=15 * MIB, trainable_bytes=60 * MIB, buffers_bytes=MIB,
+        largest_tensor_bytes=16 * MIB, largest_unit_numel=10 * MIB // 4, root_numel=20 * MIB // 4, block_classes=[],
+    )  # fmt: skip
+    return ModelSizes(**{**base, **overrides})
+
+
+def phases(request: PlanRequest, activations: int = 0) -> dict[str, dict[str, int]]:
+    return {p.name: p.parts for p in phases_for(request, sizes(), activations)}
+
+
+def test_one_rank_holds_everything_and_gathers_nothing():
+    got = phases(PlanRequest("m", nproc=1, optim="adamw_torch"), activations=500 * MIB)
+    training = got["training"]
+    assert training["sharded parameters"] == 100 * MIB
+    assert training["optimizer state"] == 120 * MIB  # AdamW: two fp32 states per trainable element
+    assert training["gathered units"] == 0 and training["activations"] == 500 * MIB
+    assert got["load"] == {"sharded parameters": 100 * MIB, "buffers": MIB, "read slice": 16 * MIB}
+
+
+def test_four_ranks_shard_state_and_gather_root_and_two_blocks():
+    training = phases(PlanRequest("m", nproc=4, optim="adamw_torch"), activations=500 * MIB)["training"]
+    assert training["sharded parameters"] == 25 * MIB and training["optimizer state"] == 30 * MIB
+    # root (20 MiB) + 2 blocks (20 MiB) gathered, plus one block's unsharded grads and reduce-scatter input
+    assert training["gathered units"] == 40 * MIB + 20 * MIB
+
+
+def test_hsdp_shards_within_a_replica_only():
+    load = phases(PlanRequest("m", nproc=4, hsdp=2))["load"]
+    assert load["sharded parameters"] == 50 * MIB  # 2 replicas of a model sharded over 2 ranks
+
+
+def test_without_activations_the_optimizer_step_is_the_peak():
+    training = phases(PlanRequest("m", nproc=1, optim="adamw_torch"), activations=0)["training"]
+    assert training["gradients"] == 60 * MIB and training["optimizer step temporaries"] == 60 * MIB
+
+
+def test_cpu_offload_leaves_only_buffers_resident_on_the_device():
+    training = phases(PlanRequest("m", nproc=2, cpu_offload=True), activations=500 * MIB)["training"]
+    assert "sharded parameters" not in training and "optimizer state" not in training
+
+
+def test_async_staging_copies_this_ranks_shards_to_the_host():
+    staging = phases(PlanRequest("m", nproc=2, optim="adamw_torch"))["checkpoint save (async staging)"]
+    assert staging == {"host copy of shards": 50 * MIB + 60 * MIB}
+
+
+def test_live_bytes_counts_each_new_storage_once_until_freed():
+    weight = torch.zeros(256, 256)
+    with LiveBytes([weight]) as tracker:
+        a = weight @ weight  # 256 KiB
+        b = a.view(-1)  # a view: no new storage
+        c = a + 1  # 256 KiB more
+        del a, b, c
+        d = weight.t()  # a view of a parameter: never counted
+    assert tracker.peak == 2 * 256 * 256 * 4 and tracker.live == 0
+    assert d.shape == (256, 256)
+
+
+def test_activation_checkpointing_and_bf16_shrink_traced_activations(tiny):
+    config = load_config(tiny("llama"))
+    full = traced_activation_bytes(config, torch.float32, batch=2, seq=64)
+    checkpointed = traced_activation_bytes(
+        config, torch.float32, batch=2, seq=64, checkpoint_blocks=["LlamaDecoderLayer"]
+    )
+    half = traced_activation_bytes(config, torch.bfloat16, batch=2, seq=64)
+    doubled = traced_activation_bytes(config, torch.float32, batch=4, seq=64)
+    assert 0 < checkpointed < full and half < full
+    assert doubled == pytest.approx(2 * full, rel=0.15)
+
+
+def test_plan_of_a_config_folder_reads_no_weights(tiny, tmp_path):
+    (tmp_path / "config.json").write_text(open(f"{tiny('llama')}/config.json").read())  # no weights at all
+    result = plan(str(tmp_path / "config.json"), nproc=2, batch=2, seq=64, device_memory=2**40)
+    assert result.fits and {p.name for p in result.phases} >= {"load", "training", "offline consolidation"}
+    assert result.to_dict()["training_peak"] == result.training_peak
+
+
+def test_a_plan_that_does_not_fit_names_changes_that_do(tiny):
+    tight = plan(tiny("llama"), nproc=1, batch=8, seq=256, device_memory=1)
+    assert not tight.fits and tight.alternatives == []
+    roomy = plan(tiny("llama"), nproc=1, batch=8, seq=256).training_peak
+    with_ac = plan(tiny("llama"), nproc=1, batch=8, seq=256, activation_checkpointing=True).training_peak
+    middle = plan(tiny("llama"), nproc=1, batch=8, seq=256, device_memory=(roomy + with_ac) // 2)
+    assert any(a["change"] == "activation_checkpointing=True" for a in middle.alternatives)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"), [("r=16,targets=q_proj,v_proj", (16, ("q_proj", "v_proj"))), ("r=8", (8, ()))]
+)
+def test_lora_option_parses(text, expected):
+    assert parse_lora(text) == expected
+
+
+def test_bad_lora_option_is_an_error_naming_the_form():
+    with pytest.raises(ValueError, match="r must be a positive integer"):
+        parse_lora("targets=q_proj")
+
+
+def test_cli_prints_json_and_exits_by_verdict(tiny, capsys):
+    assert main(["plan", tiny("llama"), "--nproc", "2", "--batch", "2", "--seq", "32", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["fits"] and data["request"]["nproc"] == 2
+    assert main(["plan", tiny("llama"), "--device-memory", "1KB"]) == 1
+    assert "does NOT fit" in capsys.readouterr().out
+    assert main(["plan", "/nonexistent"]) == 2
+    assert "no config.json there" in capsys.readouterr().err
