@@ -7,6 +7,7 @@ from .callbacks import ConsolidateCallback
 from .config import FSDP2Config
 from .consolidate import consolidate
 from .distributed import close_distributed, start_restarted_worker
+from .memory_plan import plan
 from .model import prepare_model
 from .skeleton import from_pretrained
 from .trainer import FSDP2Mixin, FSDP2Trainer
@@ -19,6 +20,7 @@ __all__ = [
     "close_distributed",
     "consolidate",
     "from_pretrained",
+    "plan",
     "prepare_model",
 ]
 __version__ = "0.1.0"

@@ -17,6 +17,7 @@ Figures are validated against measurement by `scripts/validate_plan.py`.
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
 from dataclasses import asdict, dataclass, field, replace
@@ -97,6 +98,7 @@ class ModelSizes:
     buffers_bytes: int
     largest_tensor_bytes: int  # as stored in the checkpoint
     largest_unit_numel: int
+    largest_unit_trainable_numel: int
     root_numel: int
     block_classes: list[str]
     config: Any = None
@@ -133,7 +135,7 @@ def plan_request(request: PlanRequest) -> MemoryPlan:
     """`plan` for a PlanRequest; the alternatives are planned the same way."""
     _validate(request)
     sizes = model_sizes(request)
-    phases = phases_for(request, sizes, _cached_activations(request, sizes))
+    phases = phases_for(request, sizes, _cached_activations(request))
     training = next(p for p in phases if p.name == "training").total
     available = request.device_memory or detect_device_memory(request.nproc)
     result = MemoryPlan(request, phases, available, training, training <= available)
@@ -164,23 +166,27 @@ def load_config(model: str) -> Any:
 
 
 def model_sizes(request: PlanRequest) -> ModelSizes:
-    """Count parameters by role on a meta skeleton (with the LoRA adapters, when asked for)."""
+    """Count parameters by role on a meta skeleton of the request's config (with its LoRA adapters)."""
+    return skeleton_sizes(load_config(request.model), _lora_config(request) if request.lora_r else None, request.bf16)
+
+
+def skeleton_sizes(config: Any, lora: Any, bf16: bool) -> ModelSizes:
+    """Count parameters by role on a meta skeleton of `config`, wrapped with the peft `lora` config if given."""
     from transformers import AutoModelForCausalLM
 
     from .config import FSDP2Config
     from .sharding import block_classes, select_units
 
-    config = load_config(request.model)
     dtype = config.dtype if isinstance(config.dtype, torch.dtype) else torch.float32
     with torch.device("meta"):
         model: nn.Module = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    if request.lora_r:
+    if lora is not None:
         from peft import get_peft_model
 
-        model = get_peft_model(model, _lora_config(request))
+        model = get_peft_model(model, copy.deepcopy(lora))
     units = select_units(model, FSDP2Config())
     in_units = {id(p) for unit in units for p in unit.parameters()}
-    stored = {id(p): _stored_bytes(p, request.bf16) for p in model.parameters()}
+    stored = {id(p): _stored_bytes(p, bf16) for p in model.parameters()}
     trainable = [p for p in model.parameters() if p.requires_grad]
     return ModelSizes(
         params_bytes=sum(p.numel() * stored[id(p)] for p in model.parameters()),
@@ -189,11 +195,72 @@ def model_sizes(request: PlanRequest) -> ModelSizes:
         buffers_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
         largest_tensor_bytes=max(p.numel() * p.element_size() for p in model.parameters()),
         largest_unit_numel=max((sum(p.numel() for p in unit.parameters()) for unit in units), default=0),
+        largest_unit_trainable_numel=max(
+            (sum(p.numel() for p in unit.parameters() if p.requires_grad) for unit in units), default=0
+        ),
         root_numel=sum(p.numel() for p in model.parameters() if id(p) not in in_units),
         block_classes=block_classes(model, FSDP2Config()),
         config=config,
         load_dtype=dtype,
     )
+
+
+def training_peak_of(request: PlanRequest, config: Any, lora: Any) -> int:
+    """The training peak of a run whose model is given as a config (and peft LoRA config) instead of a path."""
+    sizes = skeleton_sizes(config, lora, request.bf16)
+    activations = _activations(request, sizes, lora)
+    return next(p for p in phases_for(request, sizes, activations) if p.name == "training").total
+
+
+def log_memory_plan(model: nn.Module, args: Any, config: Any, dataset: Any) -> None:
+    """Log the planned training peak per rank beside the memory available; warn when it will not fit.
+
+    For a causal LM whose batches hold `input_ids` (the sequence length is the first example's). A model
+    the planner cannot describe is named in an info line instead: a log line never stops training.
+    """
+    import torch.distributed as dist
+
+    from .distributed import log_rank0, warn_rank0
+
+    try:
+        seq = len(dataset[0]["input_ids"])
+        nproc = dist.get_world_size() if dist.is_initialized() else 1
+        request = PlanRequest(
+            "", nproc=nproc, hsdp=config.hsdp_replicate_size, bf16=bool(args.bf16),
+            batch=args.per_device_train_batch_size, seq=seq, cpu_offload=config.cpu_offload,
+            activation_checkpointing=config.fsdp_activation_checkpointing or bool(args.gradient_checkpointing),
+            optim=str(getattr(args.optim, "value", args.optim)),
+        )  # fmt: skip
+        _validate(request)
+        base, lora = _base_and_lora(model)
+        peak = training_peak_of(request, base.config, lora)
+    except Exception as error:  # NOTE: the plan is advice; any model it cannot describe trains as before
+        log_rank0("No memory plan for this run (%s: %s).", type(error).__name__, error)
+        return
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(request.nproc)))
+    available = detect_device_memory(local)
+    if peak > available:
+        warn_rank0(
+            "Memory plan: training needs about %s per rank (batch %d × seq %d) but %s is available per rank: "
+            "it will not fit. `hf-fsdp2 plan` shows what would (more ranks, activation checkpointing, LoRA).",
+            _gib(peak), request.batch, request.seq, _gib(available),
+        )  # fmt: skip
+    else:
+        log_rank0(
+            "Memory plan: training needs about %s per rank (batch %d × seq %d); %s available per rank.",
+            _gib(peak), request.batch, request.seq, _gib(available),
+        )  # fmt: skip
+
+
+def _base_and_lora(model: nn.Module) -> tuple[nn.Module, Any]:
+    """The base model and the active LoRA config of a PEFT model (None for a plain one)."""
+    from .facts import facts_of
+
+    if not facts_of(model).is_peft:
+        return model, None
+    from .adapters import active_adapter
+
+    return model.get_base_model(), model.peft_config[active_adapter(model)]
 
 
 def _lora_config(request: PlanRequest) -> Any:
@@ -209,13 +276,12 @@ def _stored_bytes(param: torch.Tensor, bf16: bool) -> int:
     return param.element_size()
 
 
-def _activations(request: PlanRequest, sizes: ModelSizes) -> int:
+def _activations(request: PlanRequest, sizes: ModelSizes, lora: Any) -> int:
     """Traced activation bytes at the per-device batch, in the compute dtype."""
     from .activation_trace import traced_activation_bytes
 
     compute = torch.bfloat16 if request.bf16 else sizes.load_dtype
     blocks = sizes.block_classes if request.activation_checkpointing else None
-    lora = _lora_config(request) if request.lora_r else None
     return traced_activation_bytes(sizes.config, compute, request.batch, request.seq, blocks, lora)
 
 
@@ -228,8 +294,9 @@ def phases_for(request: PlanRequest, sizes: ModelSizes, activations: int) -> lis
     grads = sizes.trainable_bytes // shard
     optimizer = OPTIMIZER_STATES[request.optim] * sizes.trainable_bytes // shard
     step_temp = _STEP_TEMPORARIES[request.optim] * grads
-    gathered = (sizes.root_numel + 2 * sizes.largest_unit_numel) * compute if shard > 1 else 0
-    unit_grads = sizes.largest_unit_numel * (compute + reduce) if shard > 1 else 0
+    # NOTE: even on one rank FSDP2 all-gathers into separate unsharded parameters.
+    gathered = (sizes.root_numel + 2 * sizes.largest_unit_numel) * compute
+    unit_grads = sizes.largest_unit_trainable_numel * (compute + reduce)
     resident = {"sharded parameters": params, "optimizer state": optimizer, "buffers": sizes.buffers_bytes}
     if request.cpu_offload:
         resident = {"buffers": sizes.buffers_bytes}  # shards and optimizer state live in host memory
@@ -279,19 +346,18 @@ def _alternative(before: PlanRequest, after: PlanRequest) -> dict[str, Any]:
 @functools.lru_cache(maxsize=64)
 def _training_peak(request: PlanRequest) -> int:
     sizes = model_sizes(request)
-    phases = phases_for(request, sizes, _cached_activations(request, sizes))
+    phases = phases_for(request, sizes, _cached_activations(request))
     return next(p for p in phases if p.name == "training").total
 
 
-def _cached_activations(request: PlanRequest, sizes: ModelSizes) -> int:
-    """Activations do not depend on the number of ranks or on offload: trace each other case once."""
-    key = replace(request, nproc=1, hsdp=1, cpu_offload=False, device_memory=None, optim="adamw_torch_fused")
-    if key not in _ACTIVATIONS:
-        _ACTIVATIONS[key] = _activations(request, sizes)
-    return _ACTIVATIONS[key]
+def _cached_activations(request: PlanRequest) -> int:
+    """Activations do not depend on the number of ranks, offload or the optimizer: trace each other case once."""
+    return _activations_of(replace(request, nproc=1, hsdp=1, cpu_offload=False, device_memory=None, optim="sgd"))
 
 
-_ACTIVATIONS: dict[PlanRequest, int] = {}
+@functools.lru_cache(maxsize=32)
+def _activations_of(request: PlanRequest) -> int:
+    return _activations(request, model_sizes(request), _lora_config(request) if request.lora_r else None)
 
 
 def _describe_change(before: PlanRequest, after: PlanRequest) -> str:
@@ -313,7 +379,7 @@ def format_plan(result: MemoryPlan) -> str:
         "|---|---:|---|",
     ]
     for phase in result.phases:
-        parts = ", ".join(f"{name} {_gib(value)}" for name, value in phase.parts.items() if value)
+        parts = ", ".join(f"{name} {_gib(value)}" for name, value in phase.parts.items() if value >= 2**20)
         where = " (host)" if phase.where == "host" else ""
         lines.append(f"| {phase.name}{where} | {_gib(phase.total)} | {parts} |")
     verdict = "fits" if result.fits else "does NOT fit"
@@ -326,4 +392,5 @@ def format_plan(result: MemoryPlan) -> str:
 
 
 def _gib(value: int) -> str:
-    return f"{value / GIB:.2f} GiB"
+    """GiB with two decimals from 1 GiB up, whole MiB below."""
+    return f"{value / GIB:.2f} GiB" if value >= GIB else f"{value / 2**20:.0f} MiB"

@@ -68,6 +68,7 @@ from .config import FSDP2Config
 from .consolidate import save_pretrained_sharded, write_model_files
 from .distributed import init_distributed, is_rank0, log_rank0, warn_rank0
 from .facts import describe, facts_of
+from .memory_plan import log_memory_plan
 from .model import clip_grad_norm, prepare_model
 from .preemption import Preempted, PreemptionCallback, PreemptionWatcher
 from .resume import find_resume_checkpoint
@@ -93,6 +94,7 @@ class FSDP2Mixin:
         if isinstance(model, (str, os.PathLike)):
             bound.arguments["model"] = self._skeleton(model, args)
         self._original_names: dict[int, str] = {}
+        self._memory_plan_logged = False
         self._async_saver: AsyncSaver | None = None
         self._pending_save: tuple[list[Any], str, str, str] | None = None
         super().__init__(*bound.args, **bound.kwargs)
@@ -130,6 +132,9 @@ class FSDP2Mixin:
         output_dir if there is one and starts fresh otherwise, so one command serves every (re)launch."""
         if resume_from_checkpoint == "auto":
             resume_from_checkpoint = find_resume_checkpoint(self.args.output_dir)
+        if is_rank0() and not self._memory_plan_logged:
+            self._memory_plan_logged = True
+            log_memory_plan(self.model, self.args, self.fsdp2_config, self.train_dataset)
         with self._preemption.watching():
             return super().train(resume_from_checkpoint, *args, **kwargs)
 

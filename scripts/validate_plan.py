@@ -7,13 +7,14 @@ peaks above the after-import baseline, as the other memory scripts do. The table
 measured MiB of the worst rank and their ratio; the goal is every ratio within 0.85–1.15.
 
 Usage:
-    python scripts/validate_plan.py                       # the default matrix (about 10 minutes on 2 cores)
+    python scripts/validate_plan.py                       # the default matrix (about 20 minutes on 2 cores)
     python scripts/validate_plan.py --quick --json plan_validation.json
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -33,13 +34,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--precisions", default="fp32", help="comma-separated: fp32, bf16 (fp32 masters)")
     parser.add_argument("--quick", action="store_true", help="medium model, 2 ranks only")
+    parser.add_argument(
+        "--default-allocator", action="store_true", help="measure with glibc's default malloc settings (see measure)"
+    )
     parser.add_argument("--workdir", default="/tmp/hf_fsdp2_validate_plan")
     parser.add_argument("--json", default=None, help="write every case here")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model-path", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--lora", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--ac", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--bf16", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -66,10 +72,10 @@ def worker(args: argparse.Namespace) -> None:
     data = Dataset.from_dict({"input_ids": ids, "labels": ids})
     targs = TrainingArguments(
         output_dir=os.path.join(args.workdir, "run"), per_device_train_batch_size=args.batch, max_steps=args.steps,
-        report_to=[], use_cpu=True, save_strategy="no", logging_steps=1, disable_tqdm=True,
+        report_to=[], use_cpu=True, save_strategy="no", logging_steps=1, disable_tqdm=True, bf16=args.bf16,
     )  # fmt: skip
     config = FSDP2Config(fsdp_activation_checkpointing=args.ac, consolidate_on_train_end=False)
-    trainer = FSDP2Trainer(model, targs, fsdp2_config=config, train_dataset=data)
+    trainer = FSDP2Trainer(model, targs, fsdp2_config=config, train_dataset=data, callbacks=[_StepPeaks(baseline)])
     load = vm_kib("VmHWM")
     trainer.train()
     train = vm_kib("VmHWM")
@@ -81,16 +87,39 @@ def worker(args: argparse.Namespace) -> None:
             json.dump(rows, f)
 
 
-def measure(args: argparse.Namespace, model_path: str, nproc: int, lora: bool, ac: bool) -> list[dict]:
+class _StepPeaks:
+    """Print each step's VmRSS and VmHWM above the baseline (with HF_FSDP2_PLAN_DEBUG=1)."""
+
+    def __init__(self, baseline: int) -> None:
+        self.baseline = baseline
+
+    def __getattr__(self, name: str):  # every other TrainerCallback event: nothing to do
+        return lambda *args, **kwargs: None
+
+    def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001
+        if os.environ.get("HF_FSDP2_PLAN_DEBUG") and os.environ.get("RANK") == "0":
+            rss, hwm = (vm_kib(f) - self.baseline for f in ("VmRSS", "VmHWM"))
+            print(f"step {state.global_step}: rss {rss / 1024:.0f} MiB, hwm {hwm / 1024:.0f} MiB", flush=True)
+
+
+def measure(
+    args: argparse.Namespace, model_path: str, nproc: int, lora: bool, ac: bool, bf16: bool = False
+) -> list[dict]:
     """Launch one case; return each rank's measured peaks."""
     result = os.path.join(args.workdir, "result.json")
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
         os.path.abspath(__file__), "--worker", "--model-path", model_path, "--result", result,
         "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps), "--workdir", args.workdir,
-        *(["--lora"] if lora else []), *(["--ac"] if ac else []),
+        *(["--lora"] if lora else []), *(["--ac"] if ac else []), *(["--bf16"] if bf16 else []),
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if not args.default_allocator:
+        # glibc keeps freed blocks of up to 32 MiB in its heap once a large block was freed (its dynamic mmap
+        # threshold), so without this RSS keeps freed activations: a fixed threshold returns every block of
+        # 64 KiB or more to the system when freed, and VmHWM then follows live tensors, as
+        # torch.cuda.max_memory_allocated does on a GPU.
+        env["MALLOC_MMAP_THRESHOLD_"] = "65536"
     proc = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"case failed: {' '.join(command)}\n{proc.stdout[-6000:]}")
@@ -113,26 +142,21 @@ def main() -> None:
         layers, hidden = SIZES[size]
         path = os.path.join(args.workdir, f"llama-{size}")
         build_model(path, layers, hidden=hidden)
-        for nproc in ranks:
-            for lora in (False, True):
-                for ac in (False, True):
-                    predicted = plan(
-                        path, nproc=nproc, lora_r=16 if lora else None, batch=args.batch, seq=args.seq,
-                        activation_checkpointing=ac, device_memory=2**40,
-                    )  # fmt: skip
-                    phases = {p.name: p.total / MIB for p in predicted.phases}
-                    rows = measure(args, path, nproc, lora, ac)
-                    case = {
-                        "size": size, "nproc": nproc, "lora": lora, "ac": ac,
-                        "load": {"predicted": phases["load"], "measured": max(r["load_mib"] for r in rows)},
-                        "training": {
-                            "predicted": phases["training"],
-                            # VmHWM is a high-water mark: training's own peak is at least the load's.
-                            "measured": max(r["train_mib"] for r in rows),
-                        },
-                    }  # fmt: skip
-                    cases.append(case)
-                    print(f"[{time.perf_counter() - started:5.0f} s] {_row(case)}", flush=True)
+        for nproc, bf16, lora, ac in itertools.product(
+            ranks, [p == "bf16" for p in args.precisions.split(",")], (False, True), (False, True)
+        ):
+            predicted = plan(
+                path, nproc=nproc, bf16=bf16, lora_r=16 if lora else None, batch=args.batch, seq=args.seq,
+                activation_checkpointing=ac, device_memory=2**40,
+            )  # fmt: skip
+            phases = {p.name: p.total / MIB for p in predicted.phases}
+            rows = measure(args, path, nproc, lora, ac, bf16)
+            # VmHWM is a high-water mark: the training figure is the peak of load and training together.
+            case = {"size": size, "nproc": nproc, "bf16": bf16, "lora": lora, "ac": ac}
+            case["load"] = {"predicted": phases["load"], "measured": max(r["load_mib"] for r in rows)}
+            case["training"] = {"predicted": phases["training"], "measured": max(r["train_mib"] for r in rows)}
+            cases.append(case)
+            print(f"[{time.perf_counter() - started:5.0f} s] {_row(case)}", flush=True)
     print(render(cases, args))
     if args.json:
         with open(args.json, "w") as f:
@@ -140,7 +164,14 @@ def main() -> None:
 
 
 def _row(case: dict) -> str:
-    cells = [case["size"], str(case["nproc"]), "LoRA" if case["lora"] else "full", "on" if case["ac"] else "off"]
+    precision = "bf16" if case.get("bf16") else "fp32"
+    cells = [
+        case["size"],
+        str(case["nproc"]),
+        precision,
+        "LoRA" if case["lora"] else "full",
+        "on" if case["ac"] else "off",
+    ]
     for phase in ("load", "training"):
         p, m = case[phase]["predicted"], case[phase]["measured"]
         cells += [f"{p:.0f}", f"{m:.0f}", f"{p / m:.2f}" if m > 0 else "–"]
@@ -151,11 +182,13 @@ def render(cases: list[dict], args: argparse.Namespace) -> str:
     """The markdown table the README shows."""
     lines = [
         f"Per-rank peak above the after-import baseline (MiB, worst rank), batch {args.batch} × seq {args.seq}, "
-        f"{args.steps} steps, fp32, AdamW, CPU/gloo. Ratio = predicted / measured (goal 0.85–1.15).",
+        f"{args.steps} steps, AdamW (fused), CPU/gloo, "
+        f"{'glibc default malloc' if args.default_allocator else 'MALLOC_MMAP_THRESHOLD_=65536'}. "
+        "Ratio = predicted / measured (goal 0.85–1.15).",
         "",
-        "| model | ranks | tuning | act. ckpt | load predicted | load measured | ratio | training predicted "
-        "| training measured | ratio |",
-        "|---|---:|---|---|---:|---:|---:|---:|---:|---:|",
+        "| model | ranks | precision | tuning | act. ckpt | load predicted | load measured | ratio "
+        "| training predicted | training measured | ratio |",
+        "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     lines += [_row(case) for case in cases]
     within = [abs(c[p]["predicted"] / c[p]["measured"] - 1) <= 0.15 for c in cases for p in ("load", "training")]

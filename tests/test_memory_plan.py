@@ -18,7 +18,8 @@ def sizes(**overrides) -> ModelSizes:
     """A 100 MiB fp32 model: 60 MiB trainable, blocks of 10 MiB, a 20 MiB root, a 16 MiB largest tensor."""
     base = dict(
         params_bytes=100 * MIB, trainable_numel=15 * MIB, trainable_bytes=60 * MIB, buffers_bytes=MIB,
-        largest_tensor_bytes=16 * MIB, largest_unit_numel=10 * MIB // 4, root_numel=20 * MIB // 4, block_classes=[],
+        largest_tensor_bytes=16 * MIB, largest_unit_numel=10 * MIB // 4, largest_unit_trainable_numel=10 * MIB // 4,
+        root_numel=20 * MIB // 4, block_classes=[],
     )  # fmt: skip
     return ModelSizes(**{**base, **overrides})
 
@@ -27,12 +28,12 @@ def phases(request: PlanRequest, activations: int = 0) -> dict[str, dict[str, in
     return {p.name: p.parts for p in phases_for(request, sizes(), activations)}
 
 
-def test_one_rank_holds_everything_and_gathers_nothing():
+def test_one_rank_holds_everything_and_still_gathers_into_unsharded_parameters():
     got = phases(PlanRequest("m", nproc=1, optim="adamw_torch"), activations=500 * MIB)
     training = got["training"]
     assert training["sharded parameters"] == 100 * MIB
     assert training["optimizer state"] == 120 * MIB  # AdamW: two fp32 states per trainable element
-    assert training["gathered units"] == 0 and training["activations"] == 500 * MIB
+    assert training["gathered units"] == 60 * MIB and training["activations"] == 500 * MIB
     assert got["load"] == {"sharded parameters": 100 * MIB, "buffers": MIB, "read slice": 16 * MIB}
 
 
@@ -123,3 +124,47 @@ def test_cli_prints_json_and_exits_by_verdict(tiny, capsys):
     assert "does NOT fit" in capsys.readouterr().out
     assert main(["plan", "/nonexistent"]) == 2
     assert "no config.json there" in capsys.readouterr().err
+
+
+def test_trainer_start_logs_the_plan_and_warns_when_it_will_not_fit(tiny, caplog, monkeypatch):
+    import logging
+
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, TrainingArguments
+
+    from hf_fsdp2 import FSDP2Config
+    from hf_fsdp2 import memory_plan as planner
+
+    model = AutoModelForCausalLM.from_pretrained(tiny("llama"))
+    args = TrainingArguments("unused", per_device_train_batch_size=2, use_cpu=True, report_to=[])
+    data = Dataset.from_dict({"input_ids": [[1] * 32] * 4})
+    caplog.set_level(logging.INFO, logger="hf_fsdp2.distributed")
+    planner.log_memory_plan(model, args, FSDP2Config(), data)
+    assert "Memory plan: training needs about" in caplog.text and "(batch 2 × seq 32)" in caplog.text
+    monkeypatch.setattr(planner, "detect_device_memory", lambda nproc: 1)
+    planner.log_memory_plan(model, args, FSDP2Config(), data)
+    assert any(r.levelno == logging.WARNING and "it will not fit" in r.getMessage() for r in caplog.records)
+    planner.log_memory_plan(model, args, FSDP2Config(), Dataset.from_dict({"text": ["no token ids"]}))
+    assert "No memory plan for this run (KeyError" in caplog.text
+
+
+def test_planned_load_and_training_peaks_match_a_real_two_rank_run(tmp_path):
+    """End to end: plan a ~30M-parameter Llama at 2 ranks, run it, compare per-rank peaks (goal: ±15%)."""
+    import os
+    import sys
+
+    scripts = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
+    sys.path.insert(0, scripts)
+    try:
+        import validate_plan
+        from measure_load_memory import build_model
+    finally:
+        sys.path.remove(scripts)
+    path = str(tmp_path / "llama-small")
+    build_model(path, 6, hidden=512)
+    args = validate_plan.parse_args(["--workdir", str(tmp_path), "--batch", "4", "--seq", "256", "--steps", "2"])
+    measured = validate_plan.measure(args, path, nproc=2, lora=False, ac=False)
+    predicted = {p.name: p.total / MIB for p in plan(path, nproc=2, batch=4, seq=256, device_memory=2**40).phases}
+    for phase, key in (("load", "load_mib"), ("training", "train_mib")):
+        worst = max(rank[key] for rank in measured)
+        assert 0.85 <= predicted[phase] / worst <= 1.15, (phase, predicted[phase], worst)
