@@ -54,6 +54,7 @@ def _add_plan_parser(commands: Any) -> None:
     plan.add_argument("--cpu-offload", action="store_true")
     plan.add_argument("--optim", default="adamw_torch_fused", help="TrainingArguments.optim (default: Trainer's)")
     plan.add_argument("--device-memory", default=None, help="memory per rank, e.g. 80GiB (default: detected)")
+    plan.add_argument("--cpu", action="store_true", default=None, help="a run without GPUs (default: this machine)")
     plan.add_argument("--json", action="store_true", help="print the figures as JSON")
 
 
@@ -92,7 +93,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         args.model, nproc=args.nproc, hsdp=args.hsdp, bf16=args.bf16, lora_r=r,
         lora_targets=targets or DEFAULT_LORA_TARGETS, batch=args.batch, seq=args.seq,
         activation_checkpointing=args.activation_checkpointing, cpu_offload=args.cpu_offload, optim=args.optim,
-        device_memory=parse_size(args.device_memory) if args.device_memory else None,
+        device_memory=parse_size(args.device_memory) if args.device_memory else None, cpu=args.cpu,
     )  # fmt: skip
     print(json.dumps(result.to_dict(), indent=2) if args.json else format_plan(result))
     return 0 if result.fits else 1

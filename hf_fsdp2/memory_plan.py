@@ -2,8 +2,8 @@
 
 Everything is derived from the model's config on the meta device (nothing but config.json is read) and
 from what this pipeline does in each phase:
-- load: this rank's shards (trainable ones as fp32 masters under bf16), the replicated buffers, and
-  the largest slice read from the safetensors files at once;
+- load: this rank's shards (trainable ones as fp32 masters under bf16; slices are read straight into
+  them), the replicated buffers, and the tensors no checkpoint holds (LoRA adapters), drawn full;
 - training: sharded parameters, gradients and optimizer state; the root unit (kept gathered through
   forward and backward), two gathered blocks (the one computing and the one prefetched) plus the
   unsharded gradients and reduce-scatter input of one block; activations from a fake-tensor trace of
@@ -12,7 +12,8 @@ from what this pipeline does in each phase:
   model and optimizer shards (async staging);
 - export (`save_model`, end of training): one gathered full tensor on every rank, plus rank 0's copy;
 - offline consolidation: one process, about twice the largest tensor.
-Figures are validated against measurement by `scripts/validate_plan.py`.
+On a machine without accelerators each rank's process runtime (libraries paged in, the process group) is
+added as measured. Figures are validated against measurement by `scripts/validate_plan.py`.
 """
 
 from __future__ import annotations
@@ -32,6 +33,11 @@ OPTIMIZER_STATES = {"adamw_torch": 2, "adamw_torch_fused": 2, "adamw_hf": 2, "sg
 # What foreach/fused optimizer steps allocate on top (intermediate lists the size of the gradients).
 _STEP_TEMPORARIES = {"adamw_torch": 1, "adamw_torch_fused": 0, "adamw_hf": 1, "sgd": 0, "adagrad": 1, "rmsprop": 1}
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+# What a rank's resident set grows by, above the after-import baseline, beyond the tensors: library code paged
+# in on first use, the process group, DCP planning. Measured with scripts/validate_plan.py's worker on an 8 MiB
+# Llama (1 layer, hidden 64) on this project's CPU machine: 18-23 MiB after loading at 1, 2 and 4 ranks.
+# A GPU's own fixed cost (the CUDA context) is outside torch's allocated memory and is not counted.
+CPU_RUNTIME_BYTES = 18 * 2**20
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,12 @@ class PlanRequest:
     cpu_offload: bool = False
     optim: str = "adamw_torch_fused"  # Trainer's default
     device_memory: int | None = None
+    # A run without accelerators (host RAM, gloo); None: this machine's answer.
+    cpu: bool | None = None
+
+    @property
+    def on_cpu(self) -> bool:
+        return self.cpu if self.cpu is not None else not torch.cuda.is_available()
 
 
 @dataclass
@@ -100,6 +112,7 @@ class ModelSizes:
     largest_unit_numel: int
     largest_unit_trainable_numel: int
     root_numel: int
+    new_bytes: int  # tensors no base checkpoint holds (LoRA adapters), as loading initializes them
     block_classes: list[str]
     config: Any = None
     load_dtype: torch.dtype = torch.float32
@@ -118,6 +131,7 @@ def plan(
     cpu_offload: bool = False,
     optim: str = "adamw_torch_fused",
     device_memory: int | None = None,
+    cpu: bool | None = None,
 ) -> MemoryPlan:
     """Plan a run of `model` (a folder or a config.json): per-rank bytes per phase, verdict, alternatives.
 
@@ -126,7 +140,7 @@ def plan(
     """
     request = PlanRequest(
         os.fspath(model), nproc, hsdp, bf16, lora_r, tuple(lora_targets), batch, seq, activation_checkpointing,
-        cpu_offload, optim, device_memory,
+        cpu_offload, optim, device_memory, cpu,
     )  # fmt: skip
     return plan_request(request)
 
@@ -199,6 +213,7 @@ def skeleton_sizes(config: Any, lora: Any, bf16: bool) -> ModelSizes:
             (sum(p.numel() for p in unit.parameters() if p.requires_grad) for unit in units), default=0
         ),
         root_numel=sum(p.numel() for p in model.parameters() if id(p) not in in_units),
+        new_bytes=sum(p.numel() * p.element_size() for p in trainable) if lora is not None else 0,
         block_classes=block_classes(model, FSDP2Config()),
         config=config,
         load_dtype=dtype,
@@ -303,13 +318,18 @@ def phases_for(request: PlanRequest, sizes: ModelSizes, activations: int) -> lis
     forward_backward = {**resident, "gathered units": gathered + unit_grads, "activations": activations}
     step = {**resident, "gradients": grads if not request.cpu_offload else 0, "optimizer step temporaries": step_temp}
     training = forward_backward if sum(forward_backward.values()) >= sum(step.values()) else step
-    largest_slice = sizes.largest_tensor_bytes // shard
+    runtime = {"process runtime (CPU)": CPU_RUNTIME_BYTES} if request.on_cpu else {}
+    # Slices are read straight into the shards (no read buffer: measured); the tensors no checkpoint holds (a
+    # LoRA adapter) are drawn full on every rank, and held twice while peft's replay is alive.
+    load = {"sharded parameters": params, "buffers": sizes.buffers_bytes, "new tensors, full": 2 * sizes.new_bytes}
     phases = [
-        Phase("load", {"sharded parameters": params, "buffers": sizes.buffers_bytes, "read slice": largest_slice}),
-        Phase("training", training),
-        Phase("checkpoint save (sync)", {**resident, "serialized tensor": largest_slice}),
+        Phase("load", {**load, **runtime}),
+        Phase("training", {**training, **runtime}),
+        Phase(
+            "checkpoint save (sync)", {**resident, "serialized tensor": sizes.largest_tensor_bytes // shard, **runtime}
+        ),
         Phase("checkpoint save (async staging)", {"host copy of shards": params + optimizer}, where="host"),
-        Phase("export (save_model)", {**resident, "gathered tensor": 2 * sizes.largest_tensor_bytes}),
+        Phase("export (save_model)", {**resident, "gathered tensor": 2 * sizes.largest_tensor_bytes, **runtime}),
         Phase("offline consolidation", {"read + write buffers": 2 * sizes.largest_tensor_bytes}, where="host"),
     ]
     return phases

@@ -9,7 +9,7 @@ import torch
 
 from hf_fsdp2.activation_trace import LiveBytes, traced_activation_bytes
 from hf_fsdp2.cli import main, parse_lora
-from hf_fsdp2.memory_plan import ModelSizes, PlanRequest, load_config, phases_for, plan
+from hf_fsdp2.memory_plan import CPU_RUNTIME_BYTES, ModelSizes, PlanRequest, load_config, phases_for, plan
 
 MIB = 2**20
 
@@ -19,48 +19,55 @@ def sizes(**overrides) -> ModelSizes:
     base = dict(
         params_bytes=100 * MIB, trainable_numel=15 * MIB, trainable_bytes=60 * MIB, buffers_bytes=MIB,
         largest_tensor_bytes=16 * MIB, largest_unit_numel=10 * MIB // 4, largest_unit_trainable_numel=10 * MIB // 4,
-        root_numel=20 * MIB // 4, block_classes=[],
+        root_numel=20 * MIB // 4, new_bytes=0, block_classes=[],
     )  # fmt: skip
     return ModelSizes(**{**base, **overrides})
 
 
-def phases(request: PlanRequest, activations: int = 0) -> dict[str, dict[str, int]]:
-    return {p.name: p.parts for p in phases_for(request, sizes(), activations)}
+def phases(request: PlanRequest, activations: int = 0, **overrides) -> dict[str, dict[str, int]]:
+    return {p.name: p.parts for p in phases_for(request, sizes(**overrides), activations)}
 
 
 def test_one_rank_holds_everything_and_still_gathers_into_unsharded_parameters():
-    got = phases(PlanRequest("m", nproc=1, optim="adamw_torch"), activations=500 * MIB)
+    got = phases(PlanRequest("m", nproc=1, optim="adamw_torch", cpu=False), activations=500 * MIB)
     training = got["training"]
     assert training["sharded parameters"] == 100 * MIB
     assert training["optimizer state"] == 120 * MIB  # AdamW: two fp32 states per trainable element
     assert training["gathered units"] == 60 * MIB and training["activations"] == 500 * MIB
-    assert got["load"] == {"sharded parameters": 100 * MIB, "buffers": MIB, "read slice": 16 * MIB}
+    assert got["load"] == {"sharded parameters": 100 * MIB, "buffers": MIB, "new tensors, full": 0}
+
+
+def test_lora_adapters_are_drawn_full_on_every_rank_and_cpu_runs_add_the_process_runtime():
+    load = phases(PlanRequest("m", nproc=4, cpu=True), new_bytes=3 * MIB)["load"]
+    assert load["new tensors, full"] == 6 * MIB  # the replayed values and their copies
+    assert load["process runtime (CPU)"] == CPU_RUNTIME_BYTES
+    assert "process runtime (CPU)" not in phases(PlanRequest("m", nproc=4, cpu=False))["load"]
 
 
 def test_four_ranks_shard_state_and_gather_root_and_two_blocks():
-    training = phases(PlanRequest("m", nproc=4, optim="adamw_torch"), activations=500 * MIB)["training"]
+    training = phases(PlanRequest("m", nproc=4, optim="adamw_torch", cpu=False), activations=500 * MIB)["training"]
     assert training["sharded parameters"] == 25 * MIB and training["optimizer state"] == 30 * MIB
     # root (20 MiB) + 2 blocks (20 MiB) gathered, plus one block's unsharded grads and reduce-scatter input
     assert training["gathered units"] == 40 * MIB + 20 * MIB
 
 
 def test_hsdp_shards_within_a_replica_only():
-    load = phases(PlanRequest("m", nproc=4, hsdp=2))["load"]
+    load = phases(PlanRequest("m", nproc=4, hsdp=2, cpu=False))["load"]
     assert load["sharded parameters"] == 50 * MIB  # 2 replicas of a model sharded over 2 ranks
 
 
 def test_without_activations_the_optimizer_step_is_the_peak():
-    training = phases(PlanRequest("m", nproc=1, optim="adamw_torch"), activations=0)["training"]
+    training = phases(PlanRequest("m", nproc=1, optim="adamw_torch", cpu=False), activations=0)["training"]
     assert training["gradients"] == 60 * MIB and training["optimizer step temporaries"] == 60 * MIB
 
 
 def test_cpu_offload_leaves_only_buffers_resident_on_the_device():
-    training = phases(PlanRequest("m", nproc=2, cpu_offload=True), activations=500 * MIB)["training"]
+    training = phases(PlanRequest("m", nproc=2, cpu_offload=True, cpu=False), activations=500 * MIB)["training"]
     assert "sharded parameters" not in training and "optimizer state" not in training
 
 
 def test_async_staging_copies_this_ranks_shards_to_the_host():
-    staging = phases(PlanRequest("m", nproc=2, optim="adamw_torch"))["checkpoint save (async staging)"]
+    staging = phases(PlanRequest("m", nproc=2, optim="adamw_torch", cpu=False))["checkpoint save (async staging)"]
     assert staging == {"host copy of shards": 50 * MIB + 60 * MIB}
 
 
