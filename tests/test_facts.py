@@ -65,7 +65,7 @@ from hf_fsdp2.facts import attached_facts
 
 calls = []
 original = facts_module.ModelFacts.of.__func__
-facts_module.ModelFacts.of = classmethod(lambda cls, model: calls.append(type(model).__name__) or original(cls, model))
+facts_module.ModelFacts.of = classmethod(lambda cls, model: calls.append(model) or original(cls, model))
 model = from_pretrained(sys.argv[1], AutoModelForSequenceClassification, num_labels=3)
 data = Dataset.from_dict({"input_ids": [[1, 2, 3, 4]] * 4, "labels": [0, 1, 2, 0]})
 args = TrainingArguments(sys.argv[2], max_steps=2, save_steps=1, per_device_train_batch_size=2, use_cpu=True,
@@ -73,7 +73,8 @@ args = TrainingArguments(sys.argv[2], max_steps=2, save_steps=1, per_device_trai
 trainer = FSDP2Trainer(model, args, train_dataset=data)
 trainer.train()
 trainer.save_model(os.path.join(sys.argv[2], "final"))
-assert calls == ["LlamaForSequenceClassification"], calls
+# Other models (the memory plan's own meta skeleton) may be described too; the trained one only once.
+assert sum(m is model for m in calls) == 1, calls
 assert attached_facts(model).missing == ["score.weight"], attached_facts(model).missing
 print("ok")
 """
