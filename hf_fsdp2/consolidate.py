@@ -31,7 +31,7 @@ from .config import resolve_dtype
 from .distributed import is_rank0
 from .facts import facts_of
 from .hf_export import TensorSpec, prepare_output, publish, write_order, write_weights
-from .sharding import reshard_all
+from .sharding import original_class, reshard_all
 
 # Files beside the weights that make a folder loadable (config) and usable (generation, tokenizer).
 MODEL_FILES = (
@@ -133,29 +133,45 @@ def _model_files_dir(checkpoint_dir: str, directory: str) -> str:
 
 
 def _copy_model_files(source: str, destination: str, dtype: torch.dtype | None) -> None:
-    """Copy config/generation/tokenizer files, recording the export dtype in config.json."""
+    """Copy config/generation/tokenizer files; config.json records the export dtype and real class names."""
     for name in MODEL_FILES:
         if os.path.isfile(os.path.join(source, name)):
             shutil.copy2(os.path.join(source, name), os.path.join(destination, name))
-    if dtype is not None:
-        _set_config_dtype(os.path.join(destination, "config.json"), dtype)
+    _mend_config(os.path.join(destination, "config.json"), dtype)
 
 
-def _set_config_dtype(path: str, dtype: torch.dtype) -> None:
-    """Make `from_pretrained(dtype="auto")` load the weights in the dtype they were written in."""
+def _mend_config(path: str, dtype: torch.dtype | None) -> None:
+    """Make a copied config.json say what `save_pretrained` would: the dtype written, the model's own class.
+
+    Checkpoints written by earlier hf_fsdp2 versions named fully_shard's generated `FSDP<Class>` in `architectures`;
+    the prefix is dropped as transformers' own `save_pretrained` drops it.
+    """
     with open(path) as f:
         config = json.load(f)
-    config["dtype"] = str(dtype).removeprefix("torch.")
+    if dtype is not None:
+        config["dtype"] = str(dtype).removeprefix("torch.")
+    if config.get("architectures"):
+        config["architectures"] = [name.removeprefix("FSDP") for name in config["architectures"]]
     with open(path, "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
+        f.write("\n")
 
 
-def write_model_files(model: nn.Module | None, directory: str, processing_class: Any = None) -> None:
-    """Write config, generation config and tokenizer files of `model` (rank 0 only; None: tokenizer only)."""
+def write_model_files(
+    model: nn.Module | None, directory: str, processing_class: Any = None, dtype: torch.dtype | None = None
+) -> None:
+    """Write config, generation config and tokenizer files of `model` (rank 0 only; None: tokenizer only).
+
+    config.json is the one `model.save_pretrained` would write unsharded: its own class in `architectures`
+    and the dtype of the written weights (`dtype`, else the parameters').
+    """
     config = getattr(model, "config", None)
     if config is not None:
         config = copy.deepcopy(config)
-        config.architectures = [type(model).__name__]
+        config.architectures = [original_class(model).__name__]
+        weights_dtype = dtype if dtype is not None else getattr(model, "dtype", None)
+        if isinstance(weights_dtype, torch.dtype):
+            config.dtype = str(weights_dtype).removeprefix("torch.")
         config.save_pretrained(directory)
     generation_config = getattr(model, "generation_config", None)
     if generation_config is not None and getattr(model, "can_generate", lambda: False)():
@@ -193,9 +209,9 @@ def save_pretrained_sharded(
     else:
         _write_weights_gathered(model, staging, dtype, max_shard_size)
         if is_rank0():
-            write_model_files(model.get_base_model() if peft else model, staging, processing_class)
-            if resolve_dtype(dtype) is not None:
-                _set_config_dtype(os.path.join(staging, "config.json"), resolve_dtype(dtype))
+            write_model_files(
+                model.get_base_model() if peft else model, staging, processing_class, resolve_dtype(dtype)
+            )
     if is_rank0():
         publish(staging, output_dir)
     dist.barrier()

@@ -269,3 +269,9 @@ def reshard_all(model: nn.Module) -> None:
     """Put every unit back to its sharded parameters (a no_grad forward leaves the root gathered)."""
     for module in fsdp_modules(model):
         module.reshard()
+
+
+def original_class(module: nn.Module) -> type:
+    """The module's own class: `fully_shard` swaps it for a generated `FSDP<Class>` subclass, a name that
+    exists nowhere else and must not reach a saved config's `architectures`."""
+    return next(cls for cls in type(module).__mro__ if not issubclass(cls, FSDPModule))

@@ -82,6 +82,26 @@ def test_export_dtype_is_applied_and_recorded(trained, tmp_path):
     assert AutoModelForCausalLM.from_pretrained(str(tmp_path / "bf16")).dtype == torch.bfloat16
 
 
+def test_configs_name_the_real_class_and_an_old_checkpoints_fsdp_name_is_mended(trained, tmp_path):
+    """fully_shard swaps the class for FSDP<Class>; configs must name LlamaForCausalLM (tools load by name).
+    A checkpoint an earlier version wrote with the generated name is mended by the offline consolidation."""
+    checkpoint = os.path.join(trained, "run", "checkpoint-4")
+    for folder in (checkpoint, os.path.join(trained, "run")):
+        with open(os.path.join(folder, "config.json")) as f:
+            assert json.load(f)["architectures"] == ["LlamaForCausalLM"], folder
+    old = tmp_path / "old-checkpoint"
+    shutil.copytree(checkpoint, old)
+    with open(old / "config.json") as f:
+        config = json.load(f)
+    config["architectures"] = ["FSDPLlamaForCausalLM"]
+    with open(old / "config.json", "w") as f:
+        json.dump(config, f)
+    consolidate(str(old), str(tmp_path / "hf"))
+    with open(tmp_path / "hf" / "config.json") as f:
+        mended = json.load(f)
+    assert mended == {**config, "architectures": ["LlamaForCausalLM"]}
+
+
 def test_accelerate_merge_weights_reads_our_checkpoint(trained, tmp_path):
     checkpoint = os.path.join(trained, "run", "checkpoint-4")
     proc = subprocess.run(

@@ -93,6 +93,27 @@ def test_the_scenarios_check_what_they_claim(dropin):
     assert best["eval_after_best"] == pytest.approx(min(best["evals"]), abs=1e-6)
 
 
+def test_saved_configs_are_what_save_pretrained_writes(dropin):
+    """Every exported and checkpointed config.json equals plain Trainer's (written by save_pretrained in one
+    process): fully_shard's generated FSDP<Class> must not reach `architectures`, which tools load by name."""
+    import transformers
+
+    plain, ours = dropin["plain-1"], dropin["fsdp2-2"]
+    configs = {
+        "custom_pretrained": plain["custom_pretrained"]["configs"],
+        "seq2seq": plain["seq2seq_own_loss"]["configs"],
+        **{f"best_model/{c}": v for c, v in plain["best_model_and_early_stopping"]["configs"].items()},
+    }
+    assert len(configs) >= 4 and all("config.json" in c for c in configs.values())
+    assert ours["custom_pretrained"]["configs"] == configs["custom_pretrained"]
+    assert ours["seq2seq_own_loss"]["configs"] == configs["seq2seq"]
+    assert ours["best_model_and_early_stopping"]["configs"] == plain["best_model_and_early_stopping"]["configs"]
+    assert configs["custom_pretrained"]["config.json"]["architectures"] == ["TinyMLP"]
+    for name, saved in configs.items():
+        if name != "custom_pretrained":
+            assert all(hasattr(transformers, arch) for arch in saved["config.json"]["architectures"]), name
+
+
 def test_a_second_trainer_with_other_settings_or_a_foreign_shard_is_refused(dropin):
     messages = dropin["fsdp2-2"]["refusals"]
     assert "param_dtype: 'None' then, 'torch.bfloat16' now" in messages["bf16_now"]

@@ -24,7 +24,13 @@ from transformers import (
     TrainingArguments,
 )
 
-from tests.workers.scenarios import full_weights, losses, run_scenarios, saved_tensors
+from tests.workers.scenarios import (
+    full_weights,
+    losses,
+    run_scenarios,
+    saved_configs,
+    saved_tensors,
+)
 from tests.workers.train_worker import make_dataset
 
 MODE, OUT, LLAMA, GPT2 = sys.argv[1:5]
@@ -165,7 +171,12 @@ def custom_pretrained() -> dict[str, Any]:
     probe = regression_data(4, 3)["x"]
     with torch.no_grad():
         logits = reloaded(torch.tensor(probe))["logits"].tolist()
-    return {"losses": losses(trainer), "weights": weights, "reloaded_logits": logits}
+    return {
+        "losses": losses(trainer),
+        "weights": weights,
+        "reloaded_logits": logits,
+        "configs": saved_configs(export) if RANK == 0 else {},
+    }
 
 
 def second_trainer() -> dict[str, Any]:
@@ -224,13 +235,15 @@ def best_model_and_early_stopping() -> dict[str, Any]:
     )
     trainer.train()
     evals = [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h]
+    checkpoints = sorted(d for d in os.listdir(training.output_dir) if d.startswith("checkpoint-"))
     return {
         "losses": losses(trainer),
         "evals": evals,
         "global_step": trainer.state.global_step,
         "best": os.path.basename(trainer.state.best_model_checkpoint or ""),
-        "checkpoints": sorted(d for d in os.listdir(training.output_dir) if d.startswith("checkpoint-")),
+        "checkpoints": checkpoints,
         "eval_after_best": trainer.evaluate()["eval_loss"],
+        "configs": {c: saved_configs(os.path.join(training.output_dir, c)) for c in checkpoints} if RANK == 0 else {},
     }
 
 
@@ -318,7 +331,13 @@ def seq2seq_own_loss() -> dict[str, Any]:
     )
     trainer = TrainerClass(model, args("seq2seq", learning_rate=1e-3), train_dataset=data)
     trainer.train()
-    return {"losses": losses(trainer), "weights": full_weights(trainer.model)}
+    export = os.path.join(RUN_DIR, "seq2seq_export")
+    trainer.save_model(export)
+    return {
+        "losses": losses(trainer),
+        "weights": full_weights(trainer.model),
+        "configs": saved_configs(export) if RANK == 0 else {},
+    }
 
 
 class ClipWithLoss(nn.Module):

@@ -40,6 +40,16 @@ def saved_tensors(directory: str) -> dict[str, list[float]]:
     return out
 
 
+def saved_configs(directory: str) -> dict[str, Any]:
+    """config.json and generation_config.json of a saved folder, as dicts (those it has)."""
+    out = {}
+    for name in ("config.json", "generation_config.json"):
+        if os.path.isfile(os.path.join(directory, name)):
+            with open(os.path.join(directory, name)) as f:
+                out[name] = json.load(f)
+    return out
+
+
 def run_scenarios(scenarios: dict[str, Callable[[], dict[str, Any]]], chosen: list[str], result_file: str) -> None:
     """Run each chosen scenario, recording its numbers or its error; rank 0 writes them all as JSON."""
     results: dict[str, Any] = {}
