@@ -24,7 +24,7 @@ from transformers import (
 
 from hf_fsdp2 import FSDP2Config, FSDP2Trainer, close_distributed, from_pretrained
 from tests.tiny_models import tiny_tokenizer
-from tests.workers.scenarios import main_with_batches
+from tests.workers.scenarios import PARITY_ADAM_EPSILON, main_with_batches
 
 SEQ = 16
 
@@ -211,7 +211,10 @@ def train(argv: list[str]) -> None:
     model = build_model(args)
     optimizers = (None, None)
     if args.user_optimizer:
-        optimizers = (torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0), None)
+        optimizers = (
+            torch.optim.AdamW(model.parameters(), lr=args.lr, eps=PARITY_ADAM_EPSILON, weight_decay=0.0),
+            None,
+        )
     training_args = TrainingArguments(
         output_dir=args.run_dir or os.path.join(args.out, "run"),
         per_device_train_batch_size=per_device,
@@ -219,6 +222,7 @@ def train(argv: list[str]) -> None:
         gradient_accumulation_steps=args.grad_accum,
         max_steps=args.steps,
         learning_rate=args.lr,
+        adam_epsilon=PARITY_ADAM_EPSILON,  # runs are compared element-wise across world sizes: see its definition
         lr_scheduler_type="constant",
         weight_decay=0.0,
         max_grad_norm=args.max_grad_norm,

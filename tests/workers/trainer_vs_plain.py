@@ -14,6 +14,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 from hf_fsdp2 import FSDP2Trainer
+from tests.workers.scenarios import PARITY_ADAM_EPSILON
 from tests.workers.train_worker import make_dataset
 
 
@@ -24,6 +25,7 @@ def arguments(out: str) -> TrainingArguments:
         gradient_accumulation_steps=2,
         max_steps=4,
         learning_rate=1e-3,
+        adam_epsilon=PARITY_ADAM_EPSILON,  # the two runs are compared element-wise: see its definition
         lr_scheduler_type="constant",
         logging_steps=1,
         save_strategy="no",

@@ -18,7 +18,7 @@ from peft import LoraConfig
 from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
 
 from tests.tiny_models import tiny_tokenizer
-from tests.workers.scenarios import full_weights, losses, run_scenarios, saved_tensors
+from tests.workers.scenarios import PARITY_ADAM_EPSILON, full_weights, losses, run_scenarios, saved_tensors
 
 MODE, OUT, LLAMA = sys.argv[1:4]
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
@@ -56,6 +56,7 @@ def common(name: str) -> dict[str, Any]:
         per_device_train_batch_size=GLOBAL_BATCH // WORLD,
         max_steps=4,
         learning_rate=1e-3,
+        adam_epsilon=PARITY_ADAM_EPSILON,  # compared element-wise across world sizes: see its definition
         lr_scheduler_type="constant",
         logging_steps=1,
         report_to=[],
