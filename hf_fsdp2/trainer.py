@@ -27,6 +27,9 @@ This is the only module that knows Trainer/Accelerate internals. Every private h
 - `_load_from_checkpoint`, `_load_optimizer_and_scheduler`, `_load_best_model`: DCP loads, any world
   size (tests/test_checkpoint.py resume cases). `_load_rng_state` is Trainer's own.
 - `_finalize_training`: waits for a pending asynchronous save before training ends.
+- `_init_training_state`: a resumed checkpoint that already reached max_steps trains no further (Trainer
+  would run one more step at learning rate 0 and write another checkpoint); the epoch loop is skipped and
+  only the end of training (export) runs (tests/test_checkpoint.py relaunch of a finished run).
 - `train` handles the preemption signals while it runs (`preemption.PreemptionWatcher`); a callback's
   `on_step_end` turns an agreed stop into `control.should_save`, and `_save_checkpoint` then writes that
   step synchronously and raises `Preempted`, skipping `on_train_end` and its export (tests/test_failures.py).
@@ -295,6 +298,29 @@ class FSDP2Mixin:
                 best_model_checkpoint=self.state.best_model_checkpoint,
                 use_mtime=True,
             )
+
+    def _init_training_state(
+        self,
+        max_steps: int,
+        num_update_steps_per_epoch: int,
+        num_train_epochs: int,
+        resume_from_checkpoint: str | None,
+        trial: Any,
+    ) -> tuple[int, int]:
+        """Trainer's state, restored from the checkpoint; a finished run's epochs all count as trained."""
+        epochs_trained, steps_in_epoch = super()._init_training_state(
+            max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
+        )
+        if resume_from_checkpoint is None or self.state.global_step < max_steps:
+            return epochs_trained, steps_in_epoch
+        # A warning, not info: a train() call that trains nothing should be visible at the default verbosity.
+        warn_rank0(
+            "%s already reached max_steps=%d: nothing left to train, no new checkpoint; only the end of training "
+            "runs again (export, best model).",
+            resume_from_checkpoint,
+            max_steps,
+        )
+        return num_train_epochs, 0
 
     def _finalize_training(self, trial: Any, num_train_samples: int, start_time: float) -> Any:
         """The end of training waits for an asynchronous save to be complete on disk."""

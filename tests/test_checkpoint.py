@@ -50,6 +50,7 @@ def runs(tmp_path_factory, tiny) -> dict[str, str]:
             "mismatch",
             "auto_fresh",
             "auto_fallback",
+            "finished",
         )
     }
     model, other = tiny(MODEL), tiny("llama")
@@ -78,6 +79,14 @@ def runs(tmp_path_factory, tiny) -> dict[str, str]:
             resumed_from(out["mismatch"], out["reference"], "checkpoint-2", model=other),
             ckpt_run(out["auto_fresh"], "--resume", "auto", model=model),
             ckpt_run(out["auto_fallback"], "--resume", "auto", model=model),
+            ckpt_run(
+                out["finished"],
+                "--seed-checkpoint",
+                os.path.join(out["reference"], "run", "checkpoint-6"),
+                "--resume",
+                "auto",
+                model=model,
+            ),
         ],
         batches,
     )
@@ -196,6 +205,23 @@ def test_auto_resume_skips_a_truncated_newest_checkpoint_and_deletes_nothing(run
     expected, got = losses_by_step(runs["reference"]), losses_by_step(runs["auto_fallback"])
     for step in (3, 4, 5, 6):
         assert abs(got[step] - expected[step]) <= 1e-6
+
+
+def test_relaunching_a_finished_run_trains_nothing_and_only_exports_again(runs):
+    """A scheduler's relaunch of a job whose newest checkpoint reached max_steps: Trainer would run a step at
+    learning rate 0 (moving Adam's moments) and write checkpoint-7; we train nothing and redo the export."""
+    import torch
+    from safetensors.torch import load_file
+
+    run_dir = os.path.join(runs["finished"], "run")
+    assert load_result(runs["finished"])["steps_run"] == 0
+    assert sorted(d for d in os.listdir(run_dir) if d.startswith("checkpoint-")) == ["checkpoint-6"]
+    assert losses_by_step(runs["finished"]) == losses_by_step(runs["reference"])
+    exported = load_file(os.path.join(run_dir, "model.safetensors"))
+    trained = torch.load(os.path.join(runs["reference"], "weights.pt"))
+    assert all(torch.equal(exported[k].float(), trained[k]) for k in exported)
+    with open(runs["log"]) as f:
+        assert f.read().count("already reached max_steps=6: nothing left to train") == 1
 
 
 def test_the_checks_name_the_damaged_file_and_delete_nothing(runs, tmp_path):

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from hf_fsdp2 import FSDP2Config, FSDP2Trainer, consolidate, from_pretrained
 from hf_fsdp2.adapter_checkpoint import check_trainable_are_saved, load_adapter, save_adapter
 from hf_fsdp2.adapters import base_name, check_replayable
-from tests.launch import load_result, run
+from tests.launch import load_result, run, run_batch
 
 MODEL = "llama_tied"
 LORA = ("--lora", "q_proj,v_proj,down_proj", "--save-steps", "2", "--steps", "4")
@@ -117,34 +117,56 @@ def test_merged_export_equals_peft_merge_and_unload(two_ranks, tiny):
     assert torch.allclose(logits, torch.tensor(load_result(two_ranks)["logits"]), atol=TOL)
 
 
+def relaunch(out: str, run_dir: str, model: str, *flags: str) -> list[str]:
+    """Worker flags of a relaunch with --resume auto in `run_dir` (seeded with a checkpoint beforehand)."""
+    return ["--model", model, "--out", out, "--run-dir", run_dir, "--load", "from_pretrained", *flags, *LORA]
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory, two_ranks, tiny) -> dict[str, str]:
+    """Runs resumed from two_ranks' adapter checkpoints: from checkpoint-2 at 2 ranks and in one process, and
+    a relaunch of the finished run (checkpoint-4 is max_steps) at 2 ranks, sharing the 2-rank launch."""
+    root = tmp_path_factory.mktemp("lora_resumed")
+    out = {name: str(root / name) for name in ("resumed-2", "resumed-0", "finished")}
+    for name, checkpoint in (
+        ("resumed-2", "checkpoint-2"),
+        ("resumed-0", "checkpoint-2"),
+        ("finished", "checkpoint-4"),
+    ):
+        shutil.copytree(os.path.join(two_ranks, "run", checkpoint), os.path.join(out[name], "run", checkpoint))
+    runs = {name: relaunch(out[name], os.path.join(out[name], "run"), tiny(MODEL), "--resume", "auto") for name in out}
+    runs["finished"].append("--merge-adapters")  # the same command as two_ranks', relaunched
+    last = run_batch("train_worker.py", 2, [runs["resumed-2"], runs["finished"]], str(root / "batches"))
+    out["log"] = last.stdout + last.stderr
+    run("train_worker.py", 0, *runs["resumed-0"])
+    return out
+
+
 @pytest.mark.parametrize("nproc", [2, 0])
-def test_resume_from_an_adapter_checkpoint_on_any_world_size(tmp_path, two_ranks, tiny, nproc):
-    run_dir = tmp_path / "run"
-    shutil.copytree(os.path.join(two_ranks, "run", "checkpoint-2"), run_dir / "checkpoint-2")
-    run(
-        "train_worker.py",
-        nproc,
-        "--model",
-        tiny(MODEL),
-        "--out",
-        str(tmp_path),
-        "--run-dir",
-        str(run_dir),
-        "--load",
-        "from_pretrained",
-        "--resume",
-        "last",
-        *LORA,
-    )
-    ref, got = load_result(two_ranks), load_result(str(tmp_path))
-    expected, resumed = (
+def test_resume_from_an_adapter_checkpoint_on_any_world_size(resumed, two_ranks, nproc):
+    got_dir = resumed[f"resumed-{nproc}"]
+    ref, got = load_result(two_ranks), load_result(got_dir)
+    expected, again = (
         dict(zip(ref["steps"], ref["losses"], strict=True)),
         dict(zip(got["steps"], got["losses"], strict=True)),
     )
     for step in (3, 4):
-        assert abs(resumed[step] - expected[step]) < TOL
-    ref_w, got_w = torch.load(os.path.join(two_ranks, "weights.pt")), torch.load(str(tmp_path / "weights.pt"))
+        assert abs(again[step] - expected[step]) < TOL
+    ref_w, got_w = torch.load(os.path.join(two_ranks, "weights.pt")), torch.load(os.path.join(got_dir, "weights.pt"))
     assert max_diff(adapters(ref_w), adapters(got_w)) < TOL
+
+
+def test_relaunching_a_finished_lora_run_trains_nothing_and_exports_again(resumed, two_ranks):
+    run_dir = os.path.join(resumed["finished"], "run")
+    assert load_result(resumed["finished"])["steps_run"] == 0
+    assert sorted(d for d in os.listdir(run_dir) if d.startswith("checkpoint-")) == ["checkpoint-4"]
+    ref_w = torch.load(os.path.join(two_ranks, "weights.pt"))
+    got_w = torch.load(os.path.join(resumed["finished"], "weights.pt"))
+    assert all(torch.equal(ref_w[k], got_w[k]) for k in adapters(ref_w))
+    merged = load_file(os.path.join(run_dir, "model.safetensors"))  # the merged export, redone
+    first = load_file(os.path.join(two_ranks, "run", "model.safetensors"))
+    assert merged.keys() == first.keys() and all(torch.equal(merged[k], first[k]) for k in first)
+    assert resumed["log"].count("already reached max_steps=4: nothing left to train") == 1
 
 
 def test_classification_with_modules_to_save_matches_one_process(tmp_path, tiny):
