@@ -14,6 +14,9 @@ This is the only module that knows Trainer/Accelerate internals. Every private h
   Set after `__init__` because `__init__` refuses checkpointing for transformers' own sharded models.
 - `_defer_fsdp_gradient_reduction`: the no-sync context `_run_epoch` uses for such models; ours honours
   `FSDP2Config.defer_gradient_sync` (tests/test_parity.py, defer cases).
+- `TrainingArguments._setup_devices` (its cached value dropped, then computed again): on a machine without
+  accelerators under torchrun, `use_cpu` is set so Accelerate sees the CPU process group
+  (tests/test_trainer.py without use_cpu at 2 ranks; tests/test_readme.py runs the README's script as written).
 - `_move_model_to_device`: a no-op; sharding placed the model (moving DTensors would break offload).
 - `_build_accelerator_args`: mixed_precision="no" so Accelerate adds no autocast; precision belongs to
   FSDP2's MixedPrecisionPolicy (tests/test_parity.py::bf16).
@@ -144,6 +147,7 @@ class FSDP2Mixin:
     def create_accelerator_and_postprocess(self) -> None:
         """Shard the model when Trainer first sees it, then let Accelerate shard extra models too."""
         _validate_training_args(self.args, self.fsdp2_config)
+        _adopt_cpu_process_group(self.args)
         _check_world_size(self.args)
         if self.model is not None:
             # NOTE: in place; Trainer.__init__ goes on with its own reference to this same object.
@@ -440,14 +444,30 @@ def _validate_training_args(args: TrainingArguments, config: FSDP2Config) -> Non
         )
 
 
+def _adopt_cpu_process_group(args: TrainingArguments) -> None:
+    """On a machine without accelerators, let Accelerate see torchrun's CPU process group (no use_cpu=True needed).
+
+    Accelerate counts torchrun's processes on the CPU only with `use_cpu=True`; without it every rank would
+    train alone on the same batches. The same script then runs on a laptop and on a GPU cluster.
+    """
+    launched = dist.get_world_size()
+    if args.use_cpu or launched == 1 or args.world_size == launched or torch.accelerator.is_available():
+        return
+    args.use_cpu = True
+    args.dataloader_pin_memory = False  # what TrainingArguments itself sets for use_cpu
+    args.__dict__.pop("_setup_devices", None)  # the cached device set-up made without use_cpu
+    args._setup_devices  # noqa: B018  (set up again: resets Accelerate's state, which now sees the CPU group)
+    log_rank0("No accelerator on this machine: training on the CPU process group of %d ranks (use_cpu=True).", launched)
+
+
 def _check_world_size(args: TrainingArguments) -> None:
     """Refuse a Trainer that sees one process while torchrun started several (it would not split the data)."""
     launched = dist.get_world_size()
     if launched > 1 and args.world_size != launched:
         raise ValueError(
-            f"torchrun started {launched} processes but TrainingArguments sees world_size={args.world_size}, so "
-            "every rank would train on the same batches. On a machine without GPUs pass use_cpu=True "
-            "(--use_cpu true), which lets Accelerate see the CPU process group."
+            f"torchrun started {launched} processes but TrainingArguments sees world_size={args.world_size} on "
+            f"{args.device}, so every rank would train on the same batches. Launch one process per accelerator "
+            "(torchrun --nproc_per_node = the number of devices), or pass use_cpu=True to train on the CPU."
         )
 
 

@@ -11,7 +11,7 @@ from transformers import TrainingArguments
 from hf_fsdp2 import FSDP2Config
 from hf_fsdp2.distributed import _release_mesh_groups
 from hf_fsdp2.trainer import _loss_uses_num_items, _validate_args, _validate_training_args, repoint_optimizer
-from tests.launch import load_result, run
+from tests.launch import load_result, run, run_batch
 
 
 def test_one_process_matches_plain_trainer(tmp_path, tiny):
@@ -73,15 +73,19 @@ def test_classification_losses_are_recognized_as_ignoring_num_items(tiny):
     assert _loss_uses_num_items(AutoModelForCausalLM.from_pretrained(tiny("llama")))
 
 
-def test_a_trainer_that_sees_one_process_under_torchrun_is_refused(tmp_path, tiny):
-    """Without use_cpu on a CPU machine, Accelerate sees world size 1: every rank would train on the same data."""
+def test_without_use_cpu_a_cpu_machine_trains_on_the_cpu_process_group(tmp_path, tiny):
+    """Accelerate sees torchrun's processes on a CPU only with use_cpu=True; FSDP2Trainer sets it by itself, so
+    the same script trains exactly as with the flag (without it every rank would train on the same batches)."""
     import torch
 
     if torch.accelerator.is_available():
         pytest.skip("only a machine without accelerators has this trap")
-    proc = run("train_worker.py", 2, "--model", tiny("llama"), "--out", str(tmp_path), "--no-use-cpu", expect_ok=False)
-    assert proc.returncode != 0
-    assert "sees world_size=1, so every rank would train on the same batches" in proc.stderr
+    runs = {name: ["--model", tiny("llama"), "--out", str(tmp_path / name)] for name in ("without", "with")}
+    runs["without"].append("--no-use-cpu")
+    run_batch("train_worker.py", 2, list(runs.values()), str(tmp_path / "batches"))
+    without, with_flag = load_result(str(tmp_path / "without")), load_result(str(tmp_path / "with"))
+    assert without["world"] == 2 and without["losses"] == with_flag["losses"]
+    assert without["use_cpu"] is True
 
 
 def test_close_distributed_ends_the_group_and_its_threads_on_every_rank():

@@ -271,6 +271,7 @@ def train(argv: list[str]) -> None:
     resume = True if args.resume == "last" else args.resume
     trainer.train(resume_from_checkpoint=resume)
     result["steps_run"] = disruptions.steps_run
+    result["use_cpu"] = training_args.use_cpu
     history = [h for h in trainer.state.log_history if "loss" in h]
     result["steps"] = [h["step"] for h in history]
     result["losses"] = [h["loss"] for h in history]
