@@ -54,7 +54,11 @@ def _add_plan_parser(commands: Any) -> None:
     plan.add_argument("--cpu-offload", action="store_true")
     plan.add_argument("--optim", default="adamw_torch_fused", help="TrainingArguments.optim (default: Trainer's)")
     plan.add_argument("--device-memory", default=None, help="memory per rank, e.g. 80GiB (default: detected)")
-    plan.add_argument("--cpu", action="store_true", default=None, help="a run without GPUs (default: this machine)")
+    where = plan.add_mutually_exclusive_group()
+    where.add_argument("--cpu", action="store_true", default=None, help="a run without GPUs (default: this machine)")
+    where.add_argument(
+        "--gpu", dest="cpu", action="store_false", help="a run on GPUs, planned from a machine without one"
+    )
     plan.add_argument("--json", action="store_true", help="print the figures as JSON")
 
 

@@ -49,7 +49,7 @@ class PlanRequest:
     hsdp: int = 1
     bf16: bool = False
     lora_r: int | None = None
-    lora_targets: tuple[str, ...] = DEFAULT_LORA_TARGETS
+    lora_targets: tuple[str, ...] | str = DEFAULT_LORA_TARGETS  # names, or peft's regex string
     batch: int = 1
     seq: int = 512
     activation_checkpointing: bool = False
@@ -58,6 +58,10 @@ class PlanRequest:
     device_memory: int | None = None
     # A run without accelerators (host RAM, gloo); None: this machine's answer.
     cpu: bool | None = None
+    # The config of a model object (plan(model)); `model` then only names it. Its JSON is in `config_key`,
+    # so equal configs plan alike and the cached traces never mix two different models.
+    config: Any = field(default=None, compare=False, repr=False)
+    config_key: str = ""
 
     @property
     def on_cpu(self) -> bool:
@@ -119,12 +123,12 @@ class ModelSizes:
 
 
 def plan(
-    model: str | os.PathLike,
+    model: str | os.PathLike | nn.Module,
     nproc: int = 1,
     hsdp: int = 1,
     bf16: bool = False,
     lora_r: int | None = None,
-    lora_targets: tuple[str, ...] = DEFAULT_LORA_TARGETS,
+    lora_targets: tuple[str, ...] | str = DEFAULT_LORA_TARGETS,
     batch: int = 1,
     seq: int = 512,
     activation_checkpointing: bool = False,
@@ -133,16 +137,41 @@ def plan(
     device_memory: int | None = None,
     cpu: bool | None = None,
 ) -> MemoryPlan:
-    """Plan a run of `model` (a folder or a config.json): per-rank bytes per phase, verdict, alternatives.
+    """Plan a run of `model` (a folder, a config.json, or the model object itself: a PreTrainedModel, a meta
+    skeleton or a PeftModel, whose LoRA rank and targets are used unless `lora_r` is given): per-rank bytes
+    per phase, verdict, alternatives.
 
     Raises:
-        ValueError: for an optimizer without a known state size, or ranks that HSDP cannot split.
+        ValueError: for an optimizer without a known state size, ranks that HSDP cannot split, or
+            `cpu_offload` on a machine without accelerators (the trainer refuses it there).
     """
+    targets = lora_targets if isinstance(lora_targets, str) else tuple(lora_targets)
     request = PlanRequest(
-        os.fspath(model), nproc, hsdp, bf16, lora_r, tuple(lora_targets), batch, seq, activation_checkpointing,
+        "", nproc, hsdp, bf16, lora_r, targets, batch, seq, activation_checkpointing,
         cpu_offload, optim, device_memory, cpu,
     )  # fmt: skip
+    if isinstance(model, nn.Module):
+        request = _request_for_object(request, model)
+    else:
+        request = replace(request, model=os.fspath(model))
     return plan_request(request)
+
+
+def _request_for_object(request: PlanRequest, model: nn.Module) -> PlanRequest:
+    """Describe a model object by its config (and its active LoRA adapter, unless lora_r says otherwise)."""
+    base, lora = _base_and_lora(model)
+    config = getattr(base, "config", None)
+    if config is None:
+        raise ValueError(
+            f"{type(model).__name__} has no Hugging Face config to plan from; pass its model folder or config.json."
+        )
+    if lora is not None and request.lora_r is None:
+        targets = lora.target_modules
+        request = replace(
+            request, lora_r=lora.r, lora_targets=targets if isinstance(targets, str) else tuple(sorted(targets))
+        )
+    name = f"{type(model).__name__.removeprefix('FSDP')} ({config.model_type})"
+    return replace(request, model=name, config=config, config_key=config.to_json_string())
 
 
 def plan_request(request: PlanRequest) -> MemoryPlan:
@@ -159,6 +188,11 @@ def plan_request(request: PlanRequest) -> MemoryPlan:
 
 
 def _validate(request: PlanRequest) -> None:
+    if request.cpu_offload and request.on_cpu:
+        raise ValueError(
+            "cpu_offload: a run without accelerators has nothing to offload (FSDP2Trainer refuses it there); plan "
+            "without it, or plan a GPU run from this machine with --gpu (plan(..., cpu=False))."
+        )
     if request.optim not in OPTIMIZER_STATES:
         raise ValueError(f"--optim {request.optim!r}: the planner knows {sorted(OPTIMIZER_STATES)}.")
     if request.nproc < 1 or request.hsdp < 1 or request.nproc % request.hsdp:
@@ -181,7 +215,8 @@ def load_config(model: str) -> Any:
 
 def model_sizes(request: PlanRequest) -> ModelSizes:
     """Count parameters by role on a meta skeleton of the request's config (with its LoRA adapters)."""
-    return skeleton_sizes(load_config(request.model), _lora_config(request) if request.lora_r else None, request.bf16)
+    config = request.config if request.config is not None else load_config(request.model)
+    return skeleton_sizes(config, _lora_config(request) if request.lora_r else None, request.bf16)
 
 
 def skeleton_sizes(config: Any, lora: Any, bf16: bool) -> ModelSizes:
@@ -281,7 +316,12 @@ def _base_and_lora(model: nn.Module) -> tuple[nn.Module, Any]:
 def _lora_config(request: PlanRequest) -> Any:
     from peft import LoraConfig
 
-    return LoraConfig(r=request.lora_r, lora_alpha=2 * request.lora_r, target_modules=list(request.lora_targets))
+    targets = request.lora_targets
+    return LoraConfig(
+        r=request.lora_r,
+        lora_alpha=2 * request.lora_r,
+        target_modules=targets if isinstance(targets, str) else list(targets),
+    )
 
 
 def _stored_bytes(param: torch.Tensor, bf16: bool) -> int:
@@ -346,14 +386,15 @@ def detect_device_memory(nproc: int) -> int:
 
 def _alternatives(request: PlanRequest, available: int) -> list[dict[str, Any]]:
     """Single changes that fit, with their training peaks: the fewest more ranks, activation checkpointing,
-    CPU offload, LoRA (r=16 on the attention projections)."""
+    CPU offload (only where there is an accelerator to offload from), LoRA (r=16 on the attention projections)."""
     found: list[dict[str, Any]] = []
     for factor in (2, 4, 8, 16, 32, 64, 128):
         candidate = replace(request, nproc=request.nproc * factor)
         if _training_peak(candidate) <= available:
             found.append(_alternative(request, candidate))
             break
-    switches = [replace(request, activation_checkpointing=True), replace(request, cpu_offload=True)]
+    switches = [replace(request, activation_checkpointing=True)]
+    switches += [replace(request, cpu_offload=True)] if not request.on_cpu else []
     switches += [replace(request, lora_r=16)] if not request.lora_r else []
     found += [_alternative(request, c) for c in switches if c != request and _training_peak(c) <= available]
     return found

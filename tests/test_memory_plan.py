@@ -155,6 +155,34 @@ def test_trainer_start_logs_the_plan_and_warns_when_it_will_not_fit(tiny, caplog
     assert "No memory plan for this run (KeyError" in caplog.text
 
 
+def test_a_model_object_is_planned_like_its_folder_and_a_peft_model_by_its_adapter(tiny):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from hf_fsdp2 import from_pretrained
+
+    folder = plan(tiny("llama"), nproc=2, batch=2, seq=32, device_memory=2**40)
+    for model in (AutoModelForCausalLM.from_pretrained(tiny("llama")), from_pretrained(tiny("llama"))):
+        assert plan(model, nproc=2, batch=2, seq=32, device_memory=2**40).phases == folder.phases
+    peft = get_peft_model(from_pretrained(tiny("llama")), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    by_path = plan(tiny("llama"), nproc=2, batch=2, seq=32, lora_r=4, lora_targets=("q_proj", "v_proj"))
+    assert plan(peft, nproc=2, batch=2, seq=32).phases == by_path.phases
+    assert plan(peft, nproc=2, batch=2, seq=32).request.model == "PeftModel (llama)"
+
+
+def test_cpu_offload_is_neither_advised_nor_planned_without_an_accelerator(tiny):
+    """FSDP2Trainer refuses cpu_offload on a CPU machine, so the planner must not propose it there."""
+    roomy = plan(tiny("llama"), nproc=1, batch=8, seq=256, cpu=False).training_peak
+    offload = plan(tiny("llama"), nproc=1, batch=8, seq=256, cpu=False, cpu_offload=True).training_peak
+    between = (roomy + offload) // 2
+    on_gpu = plan(tiny("llama"), nproc=1, batch=8, seq=256, cpu=False, device_memory=between)
+    assert any(a["change"] == "cpu_offload=True" for a in on_gpu.alternatives)
+    on_cpu = plan(tiny("llama"), nproc=1, batch=8, seq=256, cpu=True, device_memory=between)
+    assert not any("cpu_offload" in a["change"] for a in on_cpu.alternatives)
+    with pytest.raises(ValueError, match="a run without accelerators has nothing to offload"):
+        plan(tiny("llama"), cpu=True, cpu_offload=True)
+
+
 def test_planned_load_and_training_peaks_match_a_real_two_rank_run(tmp_path):
     """End to end: plan a ~30M-parameter Llama at 2 ranks, run it, compare per-rank peaks (goal: ±15%)."""
     import os
