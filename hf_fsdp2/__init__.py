@@ -3,6 +3,10 @@
 Read the code in flow order: distributed → skeleton → loading → sharding → model → trainer (FSDP2Mixin) → trl.
 """
 
+import logging
+
+from transformers.utils import logging as transformers_logging
+
 from .callbacks import ConsolidateCallback
 from .config import FSDP2Config
 from .consolidate import consolidate
@@ -24,6 +28,11 @@ __all__ = [
     "prepare_model",
 ]
 __version__ = "0.1.0"
+
+# Our loggers sit under transformers' library logger (its handler, its level), so Trainer's
+# `log_level`/`log_level_replica` and `transformers.logging.set_verbosity_*` govern hf_fsdp2's messages exactly
+# as they govern Trainer's: INFO lines appear with log_level="info" and not at the default (warning).
+logging.getLogger(__name__).parent = transformers_logging.get_logger()
 
 # A torchrun worker restarted after a failure must join its new group before TrainingArguments does.
 start_restarted_worker()

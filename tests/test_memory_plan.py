@@ -136,6 +136,7 @@ def test_cli_prints_json_and_exits_by_verdict(tiny, capsys):
 def test_trainer_start_logs_the_plan_and_warns_when_it_will_not_fit(tiny, caplog, monkeypatch):
     import logging
 
+    import transformers
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, TrainingArguments
 
@@ -145,6 +146,7 @@ def test_trainer_start_logs_the_plan_and_warns_when_it_will_not_fit(tiny, caplog
     model = AutoModelForCausalLM.from_pretrained(tiny("llama"))
     args = TrainingArguments("unused", per_device_train_batch_size=2, use_cpu=True, report_to=[])
     data = Dataset.from_dict({"input_ids": [[1] * 32] * 4})
+    monkeypatch.setattr(transformers.logging.get_logger(), "propagate", True)  # our lines go to transformers' logger
     caplog.set_level(logging.INFO, logger="hf_fsdp2.distributed")
     planner.log_memory_plan(model, args, FSDP2Config(), data)
     assert "Memory plan: training needs about" in caplog.text and "(batch 2 × seq 32)" in caplog.text
@@ -181,6 +183,38 @@ def test_cpu_offload_is_neither_advised_nor_planned_without_an_accelerator(tiny)
     assert not any("cpu_offload" in a["change"] for a in on_cpu.alternatives)
     with pytest.raises(ValueError, match="a run without accelerators has nothing to offload"):
         plan(tiny("llama"), cpu=True, cpu_offload=True)
+
+
+def test_hf_fsdp2_logs_follow_transformers_verbosity():
+    """TrainingArguments(log_level=...) sets transformers' verbosity; our INFO lines follow it like Trainer's."""
+    import logging
+
+    import transformers
+
+    import hf_fsdp2  # noqa: F401  (links our loggers)
+
+    ours = logging.getLogger("hf_fsdp2.distributed")
+    before = transformers.logging.get_verbosity()
+    try:
+        transformers.logging.set_verbosity_warning()
+        assert not ours.isEnabledFor(logging.INFO) and ours.isEnabledFor(logging.WARNING)
+        transformers.logging.set_verbosity_info()
+        assert ours.isEnabledFor(logging.INFO)
+        records: list[logging.LogRecord] = []
+        handler = logging.Handler()
+        handler.emit = records.append
+        transformers.logging.get_logger().addHandler(handler)
+        try:
+            from hf_fsdp2.distributed import log_rank0
+
+            log_rank0("a line for the test")
+        finally:
+            transformers.logging.get_logger().removeHandler(handler)
+        assert [r.getMessage() for r in records] == ["a line for the test"] and records[
+            0
+        ].name == "hf_fsdp2.distributed"
+    finally:
+        transformers.logging.set_verbosity(before)
 
 
 def test_planned_load_and_training_peaks_match_a_real_two_rank_run(tmp_path):
