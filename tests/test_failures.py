@@ -38,14 +38,18 @@ def runs(tmp_path_factory, tiny) -> dict[str, dict]:
     # saves every 2 steps, so one may still be in flight when the preemption checkpoint starts.
     saves = ("--save-steps", "2", "--async-save")
     signal = ("--signal-at", "3", "--signal-rank", "0", "--signal-to", "agent", "--step-sleep", "0.3")
-    agent = run("train_worker.py", 2, *flags(out["agent"], model, *FULL, *saves, *signal), expect_ok=False)
+    agent = run(
+        "train_worker.py", 2, *flags(out["agent"], model, *FULL, *saves, *signal), expect_ok=False, torchrun=True
+    )
     agent_checkpoints = _checkpoints(out["agent"])
-    run("train_worker.py", 2, *flags(out["agent"], model, *FULL, *saves, "--resume", "auto"))
+    run("train_worker.py", 2, *flags(out["agent"], model, *FULL, *saves, "--resume", "auto"), torchrun=True)
     # SIGTERM to rank 1 alone after step 3 (a LoRA run): rank 0 must learn of it through the check.
-    one_rank = run("train_worker.py", 2, *flags(out["one_rank"], model, *LORA, "--signal-at", "3"), expect_ok=False)
+    one_rank = run(
+        "train_worker.py", 2, *flags(out["one_rank"], model, *LORA, "--signal-at", "3"), expect_ok=False, torchrun=True
+    )
     one_rank_checkpoints = _checkpoints(out["one_rank"])
     one_rank_exported = os.path.exists(os.path.join(out["one_rank"], "run", "adapter_model.safetensors"))
-    run("train_worker.py", 2, *flags(out["one_rank"], model, *LORA, "--resume", "auto"))
+    run("train_worker.py", 2, *flags(out["one_rank"], model, *LORA, "--resume", "auto"), torchrun=True)
     # Rank 1 SIGKILLed after step 7 (first attempt only); checkpoints every 5 steps; torchrun restarts once.
     killed = run(
         "train_worker.py",

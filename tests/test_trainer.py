@@ -89,7 +89,7 @@ def test_without_use_cpu_a_cpu_machine_trains_on_the_cpu_process_group(tmp_path,
 
 
 def test_close_distributed_ends_the_group_and_its_threads_on_every_rank():
-    proc = run("close_worker.py", 2)
+    proc = run("close_worker.py", 2, torchrun=True)  # fresh interpreters: what a real exit leaves running
     for rank in (0, 1):
         assert f"rank {rank}: sum 3, open after close False, gloo threads " in proc.stdout
         # destroy_process_group alone left all of them running (DTensor's caches and DDP kept the group)
@@ -110,12 +110,15 @@ def test_mesh_release_survives_weak_proxies_to_dead_objects():
 
 
 def test_an_unchanged_trainer_script_ends_its_process_group_by_itself(tmp_path, tiny):
-    proc = run("unchanged_script.py", 2, tiny("llama"), str(tmp_path))  # raises unless the exit code is 0
+    # Fresh interpreters under torchrun: the exit handlers' order and a real interpreter exit are what is tested.
+    proc = run("unchanged_script.py", 2, tiny("llama"), str(tmp_path), torchrun=True)  # raises unless exit code 0
     assert proc.stdout.count("at exit: process group open False") == 2, proc.stdout
     assert "terminate called" not in proc.stderr and "SIGABRT" not in proc.stderr
 
 
 def test_a_rank_that_fails_after_training_does_not_hang_the_job(tmp_path, tiny):
-    proc = run("unchanged_script.py", 2, tiny("llama"), str(tmp_path), "fail", timeout=300, expect_ok=False)
+    proc = run(
+        "unchanged_script.py", 2, tiny("llama"), str(tmp_path), "fail", timeout=300, expect_ok=False, torchrun=True
+    )
     assert proc.returncode != 0
     assert "rank 1 fails after training" in proc.stderr
