@@ -105,11 +105,25 @@ def parse_recipe_args(dataclass_types: Iterable[type], argv: list[str]) -> tuple
     return parser.parse_args_into_dataclasses(args=tokens)
 
 
+def require_eval_file(eval_file: str | None, eval_strategy: Any) -> None:
+    """Refuse periodic evaluation without an eval file before anything is built, naming both ways out.
+
+    Raises:
+        ValueError: when `eval_strategy` is not "no" and no `eval_file` was given.
+    """
+    strategy = str(getattr(eval_strategy, "value", eval_strategy))
+    if eval_file is None and strategy != "no":
+        raise ValueError(
+            f"eval_strategy={strategy} evaluates during training, but no eval_file was given: add eval_file=eval.jsonl "
+            "(same format as train_file), or eval_strategy=no."
+        )
+
+
 def _cpu_default(known: set[str]) -> list[str]:
     """Default `use_cpu` to true on a machine without an accelerator (the file or command line may override).
 
-    Without it, Accelerate on a CPU-only machine sees one process under torchrun and Trainer would not split
-    the data across ranks (FSDP2Trainer refuses that combination)."""
+    FSDP2Trainer would find the CPU process group by itself, but TrainingArguments refuses `bf16=true` on a
+    machine without GPUs unless `use_cpu` is set, and the configs' commands may ask for bf16."""
     import torch
 
     return ["--use_cpu", "true"] if "use_cpu" in known and not torch.accelerator.is_available() else []

@@ -20,6 +20,7 @@ from ..config import FSDP2Config
 from ..distributed import init_distributed, is_rank0
 from ..skeleton import from_pretrained
 from ..trainer import FSDP2Trainer
+from .args import require_eval_file
 from .demo_task import ACCURACY_PATH, build_sentiment
 from .jsonl import read_jsonl
 from .outputs import peak_memory_per_rank, render_summary, write_outputs
@@ -70,6 +71,7 @@ def run_classify(
     """Run the whole job; return (and on rank 0 print and save) its summary."""
     init_distributed()
     args = resolve_defaults(args)
+    require_eval_file(args.eval_file, training_args.eval_strategy)
     set_seed(training_args.seed)  # before the skeleton: the new head draws as on one process
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
     model = from_pretrained(args.model_name_or_path, AutoModelForSequenceClassification, num_labels=args.num_labels)

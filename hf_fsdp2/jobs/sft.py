@@ -21,6 +21,7 @@ from ..config import FSDP2Config
 from ..distributed import init_distributed, is_rank0
 from ..skeleton import from_pretrained
 from ..trainer import FSDP2Trainer
+from .args import require_eval_file
 from .demo_task import EXACT_MATCH_PATH, build_demo
 from .jsonl import read_jsonl
 from .outputs import peak_memory_per_rank, render_summary, write_outputs
@@ -107,6 +108,7 @@ def run_sft(
     """Run the whole job; return (and on rank 0 print and save) its summary."""
     init_distributed()
     args = resolve_demo(args)
+    require_eval_file(args.eval_file, training_args.eval_strategy)
     set_seed(training_args.seed)  # before the skeleton: new weights and adapters draw as on one process
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
     if tokenizer.pad_token is None:

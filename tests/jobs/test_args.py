@@ -53,3 +53,12 @@ def test_use_cpu_defaults_to_true_without_an_accelerator_and_can_be_overridden(t
     assert args.use_cpu is (not torch.accelerator.is_available())
     (args,) = parse_recipe_args((TrainingArguments,), [config, "use_cpu=false"])
     assert args.use_cpu is False
+
+
+def test_evaluation_without_an_eval_file_is_refused_naming_both_ways_out():
+    from hf_fsdp2.jobs.args import require_eval_file
+
+    with pytest.raises(ValueError, match=r"eval_strategy=steps .* add eval_file=eval.jsonl .* or eval_strategy=no"):
+        require_eval_file(None, "steps")
+    require_eval_file(None, "no")
+    require_eval_file("eval.jsonl", "steps")
