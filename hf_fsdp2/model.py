@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
+from .collective_methods import attach_collective_methods
 from .config import FSDP2Config
 from .distributed import build_mesh, check_same_on_all_ranks, get_device, init_distributed, log_rank0
 from .facts import ModelFacts, describe
@@ -79,6 +80,7 @@ def prepare_model(
 
     model = load_pretrained(model, shard, offload=config.cpu_offload)
     reduce_scalar_gradients(model)
+    attach_collective_methods(model)
     setattr(model, SHARDING_ATTR, wanted)
     log_rank0(
         "Sharded %s into %d units + root over mesh %s (%s parameters).",

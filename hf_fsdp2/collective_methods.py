@@ -1,0 +1,82 @@
+"""The sharded model's own `save_pretrained` and `generate`, which every rank must call.
+
+A sharded model holds only this rank's slices, so `PreTrainedModel.save_pretrained` (and `push_to_hub`, which
+calls it) would write shards as if they were whole tensors, and `generate` runs forwards that all-gather
+from every rank. Here `save_pretrained` becomes the streamed export `trainer.save_model` writes, and both
+first check that every rank joined: a call on one rank only (`if is_world_process_zero(): ...`) fails within
+`JOIN_TIMEOUT_S` naming the fix, instead of hanging in a collective the other ranks never enter.
+"""
+
+from __future__ import annotations
+
+import functools
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+
+# How long a rank waits for the others at a collective method before it names the problem.
+JOIN_TIMEOUT_S = 60
+_cpu_groups: dict[str, Any] = {}
+
+
+def cpu_group() -> Any:
+    """A gloo group over all ranks (monitored barriers need gloo): the default group if it is gloo.
+
+    NOTE: collective the first time on a non-gloo default group (creates the group): call it on every rank.
+    """
+    if "gloo" in str(dist.get_backend()):
+        return dist.group.WORLD
+    if "gloo" not in _cpu_groups:
+        _cpu_groups["gloo"] = dist.new_group(backend="gloo")
+    return _cpu_groups["gloo"]
+
+
+def all_ranks_join(what: str) -> None:
+    """Return when every rank has reached `what`; raise naming the fix when one has not within the bound.
+
+    Raises:
+        RuntimeError: when some rank did not call `what` within JOIN_TIMEOUT_S seconds.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    try:
+        dist.monitored_barrier(group=cpu_group(), timeout=timedelta(seconds=JOIN_TIMEOUT_S), wait_all_ranks=True)
+    except RuntimeError as error:
+        raise RuntimeError(
+            f"{what} on a model sharded by hf_fsdp2 is collective: every rank must call it, but rank "
+            f"{dist.get_rank()} waited {JOIN_TIMEOUT_S} s for the others ({error}). Call it on every rank; "
+            "for a Hugging Face folder use trainer.save_model(dir), which every rank runs and rank 0 writes."
+        ) from error
+
+
+def attach_collective_methods(model: nn.Module) -> None:
+    """Give the sharded `model` a save_pretrained that writes the streamed export, and a guarded generate.
+
+    NOTE: collective (it may create the gloo group the checks use).
+    """
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        cpu_group()
+    # Through __dict__: an instance attribute wins over the class's method (also over fully_shard's FSDP<Class>
+    # and peft's wrappers), and push_to_hub calls self.save_pretrained.
+    model.__dict__["save_pretrained"] = functools.partial(_save_pretrained, model)
+    generate = getattr(model, "generate", None)
+    if callable(generate):
+        model.__dict__["generate"] = functools.wraps(generate)(functools.partial(_generate, generate))
+
+
+def _save_pretrained(
+    model: nn.Module, save_directory: str, *args: Any, max_shard_size: str | int = "5GB", **kwargs: Any
+) -> None:
+    """`save_pretrained(dir)` of the sharded model: the folder `trainer.save_model(dir)` writes."""
+    from .consolidate import save_pretrained_sharded
+
+    all_ranks_join("save_pretrained")
+    save_pretrained_sharded(model, str(save_directory), max_shard_size=max_shard_size)
+
+
+def _generate(generate: Any, *args: Any, **kwargs: Any) -> Any:
+    """The model's own generate, once every rank has called it."""
+    all_ranks_join("generate")
+    return generate(*args, **kwargs)

@@ -1,0 +1,56 @@
+"""`trainer.model.save_pretrained(dir)` and `generate` after training at 2 ranks: on every rank they work like
+`trainer.save_model`; on rank 0 only they fail within the bound, naming the fix, instead of hanging."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.launch import run
+
+# What save_model adds beside the model's own files (save_pretrained of a model writes neither).
+TRAINER_FILES = {"training_args.bin"}
+
+
+@pytest.fixture(scope="module")
+def every_rank(tmp_path_factory, tiny) -> str:
+    out = str(tmp_path_factory.mktemp("collective"))
+    run("collective_worker.py", 2, tiny("llama_tied"), out, "every")
+    return out
+
+
+def tensors(folder: str) -> dict[str, torch.Tensor]:
+    found: dict[str, torch.Tensor] = {}
+    for name in sorted(f for f in os.listdir(folder) if f.endswith(".safetensors")):
+        found.update(load_file(os.path.join(folder, name)))
+    return found
+
+
+@pytest.mark.parametrize("kind", ["full", "lora"])
+def test_save_pretrained_on_every_rank_writes_the_folder_save_model_writes(every_rank, kind):
+    with open(os.path.join(every_rank, "every.json")) as f:
+        assert json.load(f) == "ok"
+    ours, reference = (os.path.join(every_rank, kind, name) for name in ("pretrained", "save_model"))
+    assert set(os.listdir(ours)) == set(os.listdir(reference)) - TRAINER_FILES
+    mine, theirs = tensors(ours), tensors(reference)
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    if kind == "full":
+        assert "lm_head.weight" not in mine, "tied weights are written once"
+        with open(os.path.join(ours, "config.json")) as a, open(os.path.join(reference, "config.json")) as b:
+            assert json.load(a) == json.load(b)
+    else:
+        assert set(os.listdir(ours)) == {"adapter_model.safetensors", "adapter_config.json"}
+
+
+@pytest.mark.parametrize("mode", ["rank0_save", "rank0_generate"])
+def test_a_call_on_rank_0_only_fails_within_the_bound_naming_the_fix(tmp_path, tiny, mode):
+    run("collective_worker.py", 2, tiny("llama"), str(tmp_path), mode, timeout=300)
+    with open(tmp_path / f"{mode}.json") as f:
+        result = json.load(f)
+    assert result["error"] is not None, "the call on one rank returned instead of failing"
+    assert "every rank must call it" in result["error"] and "trainer.save_model(dir)" in result["error"]
+    assert result["seconds"] < 5 + 10, result  # the bound (5 s in the worker) and a margin
