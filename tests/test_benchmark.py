@@ -139,3 +139,14 @@ def test_summary_ratios_and_targets_on_fixed_numbers():
     assert "| training step time ≤ 1.0× accelerate_fsdp2 | 1.10× | **no** |" in markdown
     assert "| preemption check ≤ 1% of step time | 0.0027× | yes |" in markdown
     assert "| preemption check (SIGTERM agreement), per step (ms) | 3.000 " in markdown
+
+
+def test_readme_performance_tables_are_the_committed_measurement():
+    """The README's benchmark tables are rendered from scripts/results/benchmark_quick.json, never typed:
+    re-render with `python scripts/benchmark.py --from-json scripts/results/benchmark_quick.json`."""
+    with open(os.path.join(ROOT, "scripts", "results", "benchmark_quick.json")) as f:
+        summary = json.load(f)["summary"]
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    begin, end = "<!-- benchmark:begin -->\n", "<!-- benchmark:end -->"
+    block = readme[readme.index(begin) + len(begin) : readme.index(end)]
+    assert block.strip() == render_markdown(summary).strip()
