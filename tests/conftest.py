@@ -2,8 +2,20 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
 import torch
+
+# torch.compile's kernel cache is keyed without ATEN_CPU_CAPABILITY: kernels compiled in a run under
+# ATEN_CPU_CAPABILITY=avx2 crashed a later run at the CPU's own capability (malloc/munmap aborts inside the
+# compiled kernel, reproduced with torch 2.13 on this project's AVX-512 machine; an empty cache fixed it).
+# Each capability gets its own cache; every process the tests start inherits this.
+os.environ.setdefault(
+    "TORCHINDUCTOR_CACHE_DIR",
+    os.path.join(tempfile.gettempdir(), f"hf_fsdp2_inductor_{os.environ.get('ATEN_CPU_CAPABILITY', 'native')}"),
+)
 
 from tests.tiny_models import save_tiny
 

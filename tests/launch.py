@@ -11,6 +11,7 @@ interpreter does at exit pass `torchrun=True` and get the real launcher.
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import json
 import multiprocessing
 import os
@@ -133,6 +134,9 @@ def _wait(ranks: list, timeout: int) -> list[int]:
 
 
 def _read(path: str) -> str:
+    """A rank's output file; empty when the rank died before it opened it."""
+    if not os.path.exists(path):
+        return ""
     with open(path, errors="replace") as f:
         return f.read()
 
@@ -148,6 +152,7 @@ def _rank_main(path: str, args: list[str], env: dict, out: str, err: str) -> Non
         os.dup2(fd, stream.fileno())
         os.close(fd)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    faulthandler.enable()  # a rank that crashes in native code leaves its Python stack in its stderr
     import torch
 
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))

@@ -6,6 +6,7 @@ import json
 import math
 import os
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -67,11 +68,13 @@ def run_scenarios(scenarios: dict[str, Callable[[], dict[str, Any]]], chosen: li
     """Run each chosen scenario, recording its numbers or its error; rank 0 writes them all as JSON."""
     results: dict[str, Any] = {}
     for name in chosen or list(scenarios):
+        started = time.perf_counter()
         try:
             results[name] = scenarios[name]()
         except Exception as error:  # recorded, so one broken scenario does not hide the others
             results[name] = {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()}
             print(results[name]["traceback"], file=sys.stderr, flush=True)
+        print(f"scenario {name}: {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
     if int(os.environ.get("RANK", "0")) == 0:
         with open(result_file, "w") as f:
             json.dump(results, f)
