@@ -237,3 +237,14 @@ def test_the_checks_name_the_damaged_file_and_delete_nothing(runs, tmp_path):
         f.write(b"garbage\n")
     assert ".metadata is not valid DCP metadata (truncated or corrupted)" in checkpoint_problem(older)
     assert sorted(os.listdir(run_dir)) == [".checkpoint-6.incomplete", "checkpoint-2", "checkpoint-4"]
+
+
+def test_a_run_accelerate_started_finishes_exactly_with_fsdp2_trainer(tmp_path, tiny):
+    """Coming from Trainer + Accelerate's FSDP2 plugin: its SHARDED_STATE_DICT checkpoint-2 resumed by
+    FSDP2Trainer continues the loss curve and ends at the weights of the uninterrupted Accelerate run."""
+    run("accelerate_resume_worker.py", 2, tiny("llama"), str(tmp_path))
+    result = load_result(str(tmp_path))
+    theirs, ours = result["accelerate"], result["ours"]
+    assert len(theirs) == 4 and len(ours) == 4  # the resumed history holds the checkpoint's two steps
+    assert all(abs(a - b) <= 1e-5 for a, b in zip(theirs[2:], ours[2:], strict=True)), (theirs, ours)
+    assert result["max_weight_diff"] <= 1e-5
