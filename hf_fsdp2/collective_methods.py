@@ -46,8 +46,9 @@ def all_ranks_join(what: str) -> None:
     except RuntimeError as error:
         raise RuntimeError(
             f"{what} on a model sharded by hf_fsdp2 is collective: every rank must call it, but rank "
-            f"{dist.get_rank()} waited {JOIN_TIMEOUT_S} s for the others ({error}). Call it on every rank; "
-            "for a Hugging Face folder use trainer.save_model(dir), which every rank runs and rank 0 writes."
+            f"{dist.get_rank()} waited {JOIN_TIMEOUT_S} s for the others ({error}); the process group cannot be "
+            "trusted after this, so end the job. Call it on every rank; for a Hugging Face folder use "
+            "trainer.save_model(dir), which every rank runs and rank 0 writes."
         ) from error
 
 
