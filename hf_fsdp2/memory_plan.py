@@ -95,7 +95,8 @@ class MemoryPlan:
     def to_dict(self) -> dict[str, Any]:
         """Plain data for `--json`."""
         return {
-            "request": asdict(self.request),
+            # The config object of a planned model object stays out: `model` names it.
+            "request": {k: v for k, v in asdict(self.request).items() if k not in ("config", "config_key")},
             "phases": [{"name": p.name, "where": p.where, "total": p.total, "parts": p.parts} for p in self.phases],
             "device_memory": self.device_memory,
             "training_peak": self.training_peak,

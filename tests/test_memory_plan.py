@@ -170,6 +170,7 @@ def test_a_model_object_is_planned_like_its_folder_and_a_peft_model_by_its_adapt
     by_path = plan(tiny("llama"), nproc=2, batch=2, seq=32, lora_r=4, lora_targets=("q_proj", "v_proj"))
     assert plan(peft, nproc=2, batch=2, seq=32).phases == by_path.phases
     assert plan(peft, nproc=2, batch=2, seq=32).request.model == "PeftModel (llama)"
+    assert json.loads(json.dumps(plan(peft, nproc=2, batch=2, seq=32).to_dict()))["request"]["lora_r"] == 4
 
 
 def test_cpu_offload_is_neither_advised_nor_planned_without_an_accelerator(tiny):
