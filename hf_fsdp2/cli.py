@@ -86,7 +86,8 @@ def parse_lora(text: str) -> tuple[int, tuple[str, ...]]:
 
 
 def _run_plan(args: argparse.Namespace) -> int:
-    """Print the plan (table or JSON); exit 0 when training fits, 1 when it does not."""
+    """Print the plan (table or JSON); exit 0 when training fits, 1 when it does not, 3 when untraced activations
+    leave it open."""
     import json
 
     from .hf_export import parse_size
@@ -100,6 +101,8 @@ def _run_plan(args: argparse.Namespace) -> int:
         device_memory=parse_size(args.device_memory) if args.device_memory else None, cpu=args.cpu,
     )  # fmt: skip
     print(json.dumps(result.to_dict(), indent=2) if args.json else format_plan(result))
+    if result.not_traced is not None and result.fits:
+        return 3  # part of the peak is unknown: neither "fits" nor "does not fit" can be promised
     return 0 if result.fits else 1
 
 

@@ -91,6 +91,8 @@ class MemoryPlan:
     training_peak: int
     fits: bool
     alternatives: list[dict[str, Any]] = field(default_factory=list)
+    # Why the activations could not be traced (the training figure then leaves them out), or None.
+    not_traced: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for `--json`."""
@@ -102,6 +104,7 @@ class MemoryPlan:
             "training_peak": self.training_peak,
             "fits": self.fits,
             "alternatives": self.alternatives,
+            "not_traced": self.not_traced,
         }
 
 
@@ -179,11 +182,15 @@ def plan_request(request: PlanRequest) -> MemoryPlan:
     """`plan` for a PlanRequest; the alternatives are planned the same way."""
     _validate(request)
     sizes = model_sizes(request)
-    phases = phases_for(request, sizes, _cached_activations(request))
+    try:
+        activations, not_traced = _cached_activations(request), None
+    except Exception as error:  # NOTE: the plan is advice: a model the fake trace cannot run still gets the rest
+        activations, not_traced = 0, f"{type(error).__name__}: {str(error).strip().splitlines()[0]}"
+    phases = phases_for(request, sizes, activations)
     training = next(p for p in phases if p.name == "training").total
     available = request.device_memory or detect_device_memory(request.nproc)
-    result = MemoryPlan(request, phases, available, training, training <= available)
-    if not result.fits:
+    result = MemoryPlan(request, phases, available, training, training <= available, not_traced=not_traced)
+    if not result.fits and not_traced is None:
         result.alternatives = _alternatives(request, available)
     return result
 
@@ -445,10 +452,17 @@ def format_plan(result: MemoryPlan) -> str:
         where = " (host)" if phase.where == "host" else ""
         lines.append(f"| {phase.name}{where} | {_gib(phase.total)} | {parts} |")
     verdict = "fits" if result.fits else "does NOT fit"
+    if result.not_traced is not None:
+        lines += [
+            "",
+            f"Activations could not be traced ({result.not_traced}): the training figures leave them out, so they",
+            "are lower bounds and no alternatives are planned. Measure a short run instead (scripts/validate_plan.py).",
+        ]
+        verdict = "would fit before activations" if result.fits else "does NOT fit even before activations"
     lines += ["", f"Training peak {_gib(result.training_peak)} per rank {verdict} in {_gib(result.device_memory)}."]
     for alt in result.alternatives:
         lines.append(f"  fits with {alt['change']}: {_gib(alt['training_peak'])}")
-    if not result.fits and not result.alternatives:
+    if not result.fits and not result.alternatives and result.not_traced is None:
         lines.append("  no single change fits; combine them (more ranks with activation checkpointing and LoRA).")
     return "\n".join(lines)
 

@@ -238,3 +238,23 @@ def test_planned_load_and_training_peaks_match_a_real_two_rank_run(tmp_path):
     for phase, key in (("load", "load_mib"), ("training", "train_mib")):
         worst = max(rank[key] for rank in measured)
         assert 0.85 <= predicted[phase] / worst <= 1.15, (phase, predicted[phase], worst)
+
+
+def test_a_model_the_trace_cannot_run_is_planned_without_activations_and_says_so(tmp_path, capsys):
+    """Qwen3-MoE: torch's meta kernel of grouped_mm refuses float32, so the fake trace fails there (real CPU runs
+    train). The planner still reports every other figure, names what failed, and never shows a traceback."""
+    from transformers import Qwen3MoeConfig
+
+    Qwen3MoeConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, max_position_embeddings=64,
+    ).save_pretrained(tmp_path / "moe")  # fmt: skip
+    result = plan(str(tmp_path / "moe"), nproc=2, batch=2, seq=32, device_memory=2**40)
+    assert {p.name for p in result.phases} >= {"load", "training", "export (save_model)"}
+    status = main(["plan", str(tmp_path / "moe"), "--nproc", "2", "--batch", "2", "--seq", "32"])
+    printed = capsys.readouterr().out
+    if result.not_traced is None:  # a torch whose meta kernel takes float32: the plan is whole
+        assert status in (0, 1) and "could not be traced" not in printed
+    else:
+        assert status == 3 and "Activations could not be traced" in printed and result.not_traced in printed
+        assert result.training_peak > 0 and not result.alternatives
