@@ -16,6 +16,7 @@ import json
 import multiprocessing
 import os
 import runpy
+import shutil
 import signal
 import socket
 import subprocess
@@ -107,6 +108,7 @@ def _run_forked(path: str, nproc: int, args: tuple[str, ...], env: dict, timeout
     codes = _wait(ranks, timeout)
     stdout = "".join(_read(os.path.join(logs, f"{r}.out")) for r in range(world))
     stderr = "".join(_read(os.path.join(logs, f"{r}.err")) for r in range(world))
+    shutil.rmtree(logs, ignore_errors=True)  # the output now lives in the returned process record
     failed = [c for c in codes if c != 0]
     command = ["forked", f"--nproc={nproc}", path, *args]
     return subprocess.CompletedProcess(command, failed[0] if failed else 0, stdout, stderr)
