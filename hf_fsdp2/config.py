@@ -54,6 +54,15 @@ class FSDP2Config:
             "'transformer_based_wrap' for a model that declares no blocks)."
         },
     )
+    branch_modules: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Sub-modules (dotted names) that a rank may skip in a step while another runs them, beyond "
+            "those found by structure (a multimodal model's image/audio encoders and projectors, skipped on a "
+            "text-only batch). They are kept in the root unit and given zero gradients where they did not run, "
+            "so ranks never disagree on a collective. See the README's 'Vision-language models'."
+        },
+    )
     reshard_after_forward: str = field(
         default="true",
         metadata={
@@ -185,6 +194,8 @@ class FSDP2Config:
                 "transformer_layer_cls_to_wrap=[] names no class; leave it None to use the model's "
                 "_no_split_modules, or name the block classes (e.g. ['LlamaDecoderLayer'])."
             )
+        if isinstance(self.branch_modules, str):
+            self.branch_modules = [name.strip() for name in self.branch_modules.split(",") if name.strip()]
         if self.min_num_params < 1:
             raise ValueError(f"min_num_params={self.min_num_params} must be >= 1 (a parameter count).")
         for name in ("param_dtype", "reduce_dtype", "export_dtype"):

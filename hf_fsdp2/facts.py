@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from .adapters import is_peft_model
+from .branches import find_branches
 from .skeleton import PretrainedSource, first_meta_tensor, get_source, tie_groups
 
 FACTS_ATTR = "_hf_fsdp2_facts"
@@ -28,6 +29,8 @@ class ModelFacts:
     adapter_prefix: str | None
     adapter_names: list[str]
     source: PretrainedSource | None
+    # Modality branches (names) of a multimodal model and the language model they feed: see `branches`.
+    branches: tuple[list[str], str | None] = ([], None)
     # Tensors the checkpoint lacks, initialized as from_pretrained would (filled in when each rank reads its
     # slices; on the rank-0 route from_pretrained itself reports them).
     missing: list[str] = field(default_factory=list)
@@ -52,6 +55,7 @@ class ModelFacts:
             adapter_prefix=model.base_model.prefix if peft else None,
             adapter_names=list(model.peft_config) if peft else [],
             source=get_source(model),
+            branches=find_branches(model),
         )
 
     def verify(self, model: nn.Module) -> None:

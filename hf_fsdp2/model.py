@@ -15,10 +15,11 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
+from .branches import attach_branch_guard, branch_names
 from .collective_methods import attach_collective_methods
 from .config import FSDP2Config
 from .distributed import build_mesh, check_same_on_all_ranks, get_device, init_distributed, log_rank0
-from .facts import ModelFacts, describe
+from .facts import ModelFacts, describe, facts_of
 from .loading import load_pretrained
 from .sharding import (
     mixed_precision_policy,
@@ -41,6 +42,7 @@ _SHARDING_FIELDS = (
     "fsdp_activation_checkpointing",
     "compile",
     "hsdp_replicate_size",
+    "branch_modules",
 )
 
 
@@ -80,6 +82,7 @@ def prepare_model(
 
     model = load_pretrained(model, shard, offload=config.cpu_offload)
     reduce_scalar_gradients(model)
+    attach_branch_guard(model, branch_names(model, config.branch_modules), facts_of(model).branches[1])
     attach_collective_methods(model)
     setattr(model, SHARDING_ATTR, wanted)
     log_rank0(

@@ -20,6 +20,7 @@ from torch.distributed.fsdp import (
     register_fsdp_forward_method,
 )
 
+from .branches import branch_names, inside_branch
 from .config import WRAP_POLICIES, FSDP2Config, resolve_dtype
 from .distributed import log_rank0, warn_rank0
 from .facts import facts_of
@@ -72,9 +73,28 @@ def _size_based_units(model: nn.Module, min_num_params: int, groups: list[set[in
 def select_units(model: nn.Module, config: FSDP2Config) -> list[nn.Module]:
     """Return the modules to shard as their own units, deepest first (the root is always sharded last).
 
+    Nothing inside a branch (a module some ranks may skip: `branches`) becomes a unit: it stays in the root.
+
     Raises:
         ValueError: when the wrap policy is unknown, named block classes match nothing, or a unit splits a tie.
     """
+    units = _policy_units(model, config)
+    branches = branch_names(model, config.branch_modules)
+    if not branches:
+        return units
+    names = {id(m): n for n, m in model.named_modules()}
+    kept = [u for u in units if not inside_branch(names[id(u)], branches)]
+    log_rank0(
+        "Kept %s in the root unit (%d blocks inside not sharded on their own): a rank may skip them in a step "
+        "(a text-only batch), and every rank must run the same collectives.",
+        ", ".join(branches),
+        len(units) - len(kept),
+    )
+    return kept
+
+
+def _policy_units(model: nn.Module, config: FSDP2Config) -> list[nn.Module]:
+    """The units the wrap policy picks."""
     groups = _tie_owner_groups(model)
     policy = config.auto_wrap_policy
     if callable(policy):

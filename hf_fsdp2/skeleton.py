@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
 SOURCE_ATTR = "_hf_fsdp2_source"
 # from_pretrained kwargs that shape the model object rather than its config.
@@ -31,18 +31,30 @@ class PretrainedSource:
     rng_state: torch.Tensor | None = None
 
 
-def from_pretrained(path: str | os.PathLike, auto_class: Any = AutoModelForCausalLM, **kwargs: Any) -> nn.Module:
+def from_pretrained(path: str | os.PathLike, auto_class: Any = None, **kwargs: Any) -> nn.Module:
     """Build `auto_class.from_pretrained(path, **kwargs)`'s model on the meta device, reading no weights.
 
     `FSDP2Trainer` loads each rank's part of the weights after sharding. Keyword arguments are those of
     `from_pretrained` (`dtype`, `attn_implementation`, `trust_remote_code`, config overrides such as
-    `num_labels`).
+    `num_labels`). Without `auto_class`: `AutoModelForCausalLM`, or `AutoModelForImageTextToText` for a
+    vision-language model (whose config the causal-LM class does not take).
     """
     path = os.fspath(path)
     rng_state = torch.random.get_rng_state()
+    if auto_class is None:
+        auto_class = default_auto_class(path, kwargs.get("trust_remote_code", False))
     model = build_skeleton(path, auto_class, kwargs)
     setattr(model, SOURCE_ATTR, PretrainedSource(path, auto_class, dict(kwargs), rng_state))
     return model
+
+
+def default_auto_class(path: str, trust_remote_code: bool = False) -> Any:
+    """The Auto class a path means when none is named: causal LM, else image-text-to-text if that maps it."""
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    for auto_class in (AutoModelForCausalLM, AutoModelForImageTextToText):
+        if type(config) in auto_class._model_mapping:
+            return auto_class
+    return AutoModelForCausalLM  # its own error names the config class and the ones it takes
 
 
 def build_skeleton(path: str, auto_class: Any, kwargs: dict[str, Any]) -> nn.Module:

@@ -61,6 +61,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from .adapter_checkpoint import check_mergeable, check_trainable_are_saved, load_adapter, save_adapter
 from .adapters import is_adapter_tensor
+from .branches import guard_optimizer
 from .callbacks import ConsolidateCallback
 from .checkpoint import (
     AsyncSaver,
@@ -109,6 +110,7 @@ class FSDP2Mixin:
             self.model_accepts_loss_kwargs = False
         if self.optimizer is not None:
             repoint_optimizer(self.optimizer, self._original_names, self.model)
+            guard_optimizer(self.model, _unwrap_optimizer(self.optimizer))
         self._preemption = PreemptionWatcher(
             self.fsdp2_config.checkpoint_on_signals, self.fsdp2_config.signal_check_steps
         )
@@ -217,7 +219,9 @@ class FSDP2Mixin:
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         """Build the optimizer over the sharded parameters (reshard first: see module docstring)."""
         reshard_all(self.model)
-        return super().create_optimizer(model)
+        optimizer = super().create_optimizer(model)
+        guard_optimizer(self.model, _unwrap_optimizer(optimizer))
+        return optimizer
 
     # ---- save: load → shard → train → *save* → consolidate --------------------------------------------
 
