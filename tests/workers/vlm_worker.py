@@ -18,7 +18,13 @@ from datasets import Dataset
 from transformers import AutoModelForImageTextToText, Trainer, TrainingArguments
 
 from tests.tiny_vlms import FAMILIES, VlmFamily
-from tests.workers.scenarios import PARITY_ADAM_EPSILON, full_weights, losses, run_scenarios
+from tests.workers.scenarios import (
+    PARITY_ADAM_EPSILON,
+    full_weights,
+    losses,
+    run_scenarios,
+    saved_configs,
+)
 
 MODE, OUT, MODELS = sys.argv[1:4]
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
@@ -45,6 +51,7 @@ def args(name: str, **overrides: Any) -> TrainingArguments:
     values: dict[str, Any] = dict(
         output_dir=os.path.join(OUT, f"{MODE}-{WORLD}", name),
         per_device_train_batch_size=GLOBAL_BATCH // WORLD,
+        per_device_eval_batch_size=GLOBAL_BATCH // WORLD,
         max_steps=6,
         learning_rate=1e-2,
         adam_epsilon=PARITY_ADAM_EPSILON,
@@ -84,6 +91,16 @@ def train(name: str, family: VlmFamily, freeze_vision: bool = False, lora: bool 
 
     trainer = TrainerClass(model=model, args=args(name), train_dataset=dataset(family), data_collator=collate)
     trainer.train()
+    extra: dict[str, Any] = {}
+    if not (freeze_vision or lora):
+        # Evaluation on mixed batches (no gradients: the branches must not desync collectives either) and the
+        # export, which from_pretrained must load into the trained weights.
+        extra["eval_loss"] = trainer.evaluate(dataset(family))["eval_loss"]
+        export = os.path.join(OUT, f"{MODE}-{WORLD}", name, "export")
+        trainer.save_model(export)
+        reloaded = AutoModelForImageTextToText.from_pretrained(export, dtype=torch.float32)
+        extra["reloaded"] = full_weights(reloaded)
+        extra["architectures"] = saved_configs(export)["config.json"]["architectures"]
     image_steps = [[flag] for flag in seen]
     if WORLD > 1:
         gathered: list[Any] = [None] * WORLD
@@ -93,6 +110,7 @@ def train(name: str, family: VlmFamily, freeze_vision: bool = False, lora: bool 
         "losses": losses(trainer),
         "weights": full_weights(trainer.model, trainable_only=True),
         "image_steps": image_steps,
+        **extra,
     }
 
 
