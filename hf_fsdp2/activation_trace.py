@@ -21,6 +21,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from .skeleton import auto_class_for
+
 
 def traced_activation_bytes(
     config: Any,
@@ -30,18 +32,18 @@ def traced_activation_bytes(
     checkpoint_blocks: list[str] | None = None,
     lora: Any = None,
 ) -> int:
-    """Peak bytes of activations and temporaries of one training step of `config`'s causal LM at batch × seq.
+    """Peak bytes of activations and temporaries of one training step of `config`'s causal LM at batch × seq
+    (a vision-language model: on text-only rows).
 
     `checkpoint_blocks`: class names of the blocks whose activations are recomputed in backward (None: none);
     `lora`: a peft LoraConfig to wrap the model with first (frozen base, trainable adapters).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from transformers import AutoModelForCausalLM
 
     # NOTE: built on meta (peft wraps a meta skeleton fine), then given fake CPU tensors; Module.to and peft's
     # dtype moves fail on fake parameters (they try to swap tensors).
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = auto_class_for(config).from_config(config, dtype=torch.float32)
     if lora is not None:
         from peft import get_peft_model
 
@@ -54,7 +56,9 @@ def traced_activation_bytes(
         for param in model.parameters():
             if param.requires_grad:
                 param.register_post_accumulate_grad_hook(_drop_grad)
-        ids = torch.randint(0, config.vocab_size, (batch, seq))
+        # A multimodal config: text-only rows (image activations are not traced: the tower's parameters are).
+        vocab = getattr(config, "vocab_size", None) or config.get_text_config().vocab_size
+        ids = torch.randint(0, vocab, (batch, seq))
         tracker = LiveBytes([*model.parameters(), *model.buffers(), ids])
         with tracker:
             model(input_ids=ids, labels=ids).loss.backward()

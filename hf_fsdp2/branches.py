@@ -83,25 +83,44 @@ class BranchGuard:
         self.ran_in_step = False
         self.handles = [module.register_forward_hook(self._ran) for module in self.modules]
         # The zero terms join the graph where every forward passes after its branches ran: the language model's
-        # output (its hidden states: one elementwise pass, whatever loss the user computes from them).
-        anchor = model.get_submodule(language_model) if language_model else model
-        self.handles.append(anchor.register_forward_hook(self._tie_branches))
+        # input embeddings (one elementwise pass). Backward reaches them last, after the language model's
+        # activations are freed, so the zero gradients are not held through the backward pass.
+        if language_model:
+            anchor = model.get_submodule(language_model)
+            self.handles.append(anchor.register_forward_pre_hook(self._tie_to_inputs, with_kwargs=True))
+        else:
+            self.handles.append(model.register_forward_hook(self._tie_to_output))
 
     def _ran(self, module: nn.Module, args: object, output: object) -> None:
         if torch.is_grad_enabled() and module.training:
             self.ran_in_step = True
 
-    def _tie_branches(self, module: nn.Module, args: object, output: object) -> object:
-        """Add 0 * (sum of every trainable branch parameter) to the output: zero gradients, exactly.
+    def _zero(self, module: nn.Module) -> torch.Tensor | None:
+        """0 * (sum of every trainable branch parameter) while training: zero gradients, exactly.
 
         Every one, not only those of branches that did not run: a branch that ran may still leave parameters
         unused (CLIP's post_layernorm when LLaVA reads a hidden layer), and those must not differ either.
         """
         if not (torch.is_grad_enabled() and module.training):
-            return output
+            return None
         params = [p for branch in self.modules for p in branch.parameters() if p.requires_grad]
-        zero = torch.stack([p.sum() for p in params]).sum().mul(0.0)
-        return _add_to_first_tensor(output, zero)
+        return torch.stack([p.sum() for p in params]).sum().mul(0.0)
+
+    def _tie_to_inputs(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        embeds = kwargs.get("inputs_embeds")
+        zero = self._zero(module)
+        if zero is None:
+            return None
+        if not isinstance(embeds, torch.Tensor):
+            raise RuntimeError(
+                f"{type(module).__name__} was called without inputs_embeds, so the zero gradients that keep "
+                "ranks in step cannot reach it; name the branches' consumer in an issue."
+            )
+        return args, {**kwargs, "inputs_embeds": embeds + zero.to(embeds.dtype)}
+
+    def _tie_to_output(self, module: nn.Module, args: object, output: object) -> object:
+        zero = self._zero(module)
+        return output if zero is None else _add_to_first_tensor(output, zero)
 
     def before_optimizer_step(self, *unused: object) -> None:
         """Branches no rank ran since the last step get None gradients, as in one process.

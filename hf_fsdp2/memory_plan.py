@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .skeleton import auto_class_for
+
 GIB = 2**30
 # Optimizer state per trainable element, in units of the parameter's own size.
 OPTIMIZER_STATES = {"adamw_torch": 2, "adamw_torch_fused": 2, "adamw_hf": 2, "sgd": 0, "adagrad": 1, "rmsprop": 1}
@@ -229,14 +231,12 @@ def model_sizes(request: PlanRequest) -> ModelSizes:
 
 def skeleton_sizes(config: Any, lora: Any, bf16: bool) -> ModelSizes:
     """Count parameters by role on a meta skeleton of `config`, wrapped with the peft `lora` config if given."""
-    from transformers import AutoModelForCausalLM
-
     from .config import FSDP2Config
     from .sharding import block_classes, select_units
 
     dtype = config.dtype if isinstance(config.dtype, torch.dtype) else torch.float32
     with torch.device("meta"):
-        model: nn.Module = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model: nn.Module = auto_class_for(config).from_config(config, dtype=dtype)
     if lora is not None:
         from peft import get_peft_model
 

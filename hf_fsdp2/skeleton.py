@@ -49,8 +49,12 @@ def from_pretrained(path: str | os.PathLike, auto_class: Any = None, **kwargs: A
 
 
 def default_auto_class(path: str, trust_remote_code: bool = False) -> Any:
-    """The Auto class a path means when none is named: causal LM, else image-text-to-text if that maps it."""
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    """The Auto class a path means when none is named: see `auto_class_for`."""
+    return auto_class_for(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code))
+
+
+def auto_class_for(config: Any) -> Any:
+    """Causal LM, else image-text-to-text when that is the Auto class that maps `config`."""
     for auto_class in (AutoModelForCausalLM, AutoModelForImageTextToText):
         if type(config) in auto_class._model_mapping:
             return auto_class
