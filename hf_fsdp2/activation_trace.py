@@ -79,7 +79,7 @@ class LiveBytes(TorchDispatchMode):
         self._watch: list[weakref.ref] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
+        out = _grouped_mm(func, args, kwargs) if func is _GROUPED_MM else func(*args, **(kwargs or {}))
         for tensor in tree_flatten(out)[0]:
             if isinstance(tensor, torch.Tensor):
                 self._count(tensor.untyped_storage())
@@ -98,6 +98,22 @@ class LiveBytes(TorchDispatchMode):
     def _free(self, key: StorageWeakRef, nbytes: int, _ref: weakref.ref) -> None:
         self.live -= nbytes
         self._known.discard(key)
+
+
+_GROUPED_MM = torch.ops.aten._grouped_mm.default
+
+
+def _grouped_mm(func: Any, args: Any, kwargs: Any) -> torch.Tensor:
+    """MoE experts' grouped matmul (Qwen3-MoE, Mixtral, gpt-oss on transformers 5): the CPU kernel takes float32
+    (real runs train), but torch's fake kernel accepts only bfloat16. Its output's shape does not depend on the
+    dtype, so the fake kernel runs on bfloat16 copies (not counted: made below this mode) and the result is given
+    back in the input's dtype, counted like any output."""
+    dtype = args[0].dtype
+    if dtype == torch.bfloat16:
+        return func(*args, **(kwargs or {}))
+    cast = [a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+    kwargs = {k: v for k, v in (kwargs or {}).items() if k != "out_dtype"}
+    return func(*cast, **kwargs).to(dtype)
 
 
 def _to_fake(model: nn.Module, dtype: torch.dtype) -> None:

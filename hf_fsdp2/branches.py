@@ -80,16 +80,15 @@ class BranchGuard:
 
     def __init__(self, model: nn.Module, branches: list[str], language_model: str | None) -> None:
         self.modules = [model.get_submodule(name) for name in branches]
-        self.ran_in_step = False
+        self.ran_in_step = self._tied_inputs = False
         self.handles = [module.register_forward_hook(self._ran) for module in self.modules]
         # The zero terms join the graph where every forward passes after its branches ran: the language model's
-        # input embeddings (one elementwise pass). Backward reaches them last, after the language model's
-        # activations are freed, so the zero gradients are not held through the backward pass.
-        if language_model:
-            anchor = model.get_submodule(language_model)
-            self.handles.append(anchor.register_forward_pre_hook(self._tie_to_inputs, with_kwargs=True))
-        else:
-            self.handles.append(model.register_forward_hook(self._tie_to_output))
+        # input embeddings (one elementwise pass), which backward reaches last, after the language model's
+        # activations are freed, so the zero gradients are not held through the backward pass. A language model
+        # called with token ids instead (CLIP's text tower) gets them on its output.
+        anchor = model.get_submodule(language_model) if language_model else model
+        self.handles.append(anchor.register_forward_pre_hook(self._tie_to_inputs, with_kwargs=True))
+        self.handles.append(anchor.register_forward_hook(self._tie_to_output))
 
     def _ran(self, module: nn.Module, args: object, output: object) -> None:
         if torch.is_grad_enabled() and module.training:
@@ -104,21 +103,22 @@ class BranchGuard:
         if not (torch.is_grad_enabled() and module.training):
             return None
         params = [p for branch in self.modules for p in branch.parameters() if p.requires_grad]
+        if not params:  # frozen after sharding
+            return None
         return torch.stack([p.sum() for p in params]).sum().mul(0.0)
 
     def _tie_to_inputs(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         embeds = kwargs.get("inputs_embeds")
-        zero = self._zero(module)
+        zero = self._zero(module) if isinstance(embeds, torch.Tensor) else None
+        self._tied_inputs = zero is not None
         if zero is None:
             return None
-        if not isinstance(embeds, torch.Tensor):
-            raise RuntimeError(
-                f"{type(module).__name__} was called without inputs_embeds, so the zero gradients that keep "
-                "ranks in step cannot reach it; name the branches' consumer in an issue."
-            )
         return args, {**kwargs, "inputs_embeds": embeds + zero.to(embeds.dtype)}
 
     def _tie_to_output(self, module: nn.Module, args: object, output: object) -> object:
+        if self._tied_inputs:
+            self._tied_inputs = False
+            return output
         zero = self._zero(module)
         return output if zero is None else _add_to_first_tensor(output, zero)
 

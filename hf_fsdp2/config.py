@@ -150,8 +150,10 @@ class FSDP2Config:
     export_dtype: str | None = field(
         default=None,
         metadata={
-            "help": "Dtype of exported Hugging Face folders (save_model, end of training), e.g. 'bfloat16' after "
-            "float32 master training. Default: the parameters' own dtype."
+            "help": "Dtype of exported Hugging Face folders (save_model, end of training, save_pretrained), e.g. "
+            "'bfloat16'. Default: the dtype each parameter was loaded in (float32 masters of a bfloat16 checkpoint "
+            "are written in bfloat16 again, as save_pretrained of the loaded model would); the offline "
+            "`hf-fsdp2 consolidate` writes what the checkpoint stores unless given --dtype."
         },
     )
     max_shard_size: str = field(

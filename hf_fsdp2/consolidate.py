@@ -207,24 +207,32 @@ def save_pretrained_sharded(
         if is_rank0():
             write_model_files(None, staging, processing_class)
     else:
-        _write_weights_gathered(model, staging, dtype, max_shard_size)
+        written = _write_weights_gathered(model, staging, dtype, max_shard_size)
         if is_rank0():
-            write_model_files(
-                model.get_base_model() if peft else model, staging, processing_class, resolve_dtype(dtype)
-            )
+            write_model_files(model.get_base_model() if peft else model, staging, processing_class, written)
     if is_rank0():
         publish(staging, output_dir)
     dist.barrier()
 
 
-def _write_weights_gathered(model: nn.Module, staging: str, dtype: str | None, max_shard_size: str | int) -> None:
-    """Gather each tensor (merging LoRA into copies for a PEFT model) and let rank 0 write safetensors files."""
+def _write_weights_gathered(
+    model: nn.Module, staging: str, dtype: str | None, max_shard_size: str | int
+) -> torch.dtype | None:
+    """Gather each tensor (merging LoRA into copies for a PEFT model) and let rank 0 write safetensors files.
+
+    Without `dtype`, float32 masters of parameters loaded in a lower precision go back to it. Returns the one
+    floating dtype written (None when several are).
+    """
     target = resolve_dtype(dtype)
     state = model_state_dict(model)
+    upcast = facts_of(model).upcast_from
     merge = None
     if facts_of(model).is_peft:
         state, merge = merged_state(model, state)
-    specs = [TensorSpec(name, tuple(t.shape), _export_dtype(t.dtype, target)) for name, t in state.items()]
+    specs = [
+        TensorSpec(name, tuple(t.shape), _export_dtype(t.dtype, target or upcast.get(name)))
+        for name, t in state.items()
+    ]
 
     def fetch(spec: TensorSpec) -> torch.Tensor | None:
         tensor = state[spec.name]
@@ -234,3 +242,5 @@ def _write_weights_gathered(model: nn.Module, staging: str, dtype: str | None, m
         return full if is_rank0() else None
 
     write_weights(staging, specs, fetch, max_shard_size, write=is_rank0())
+    floating = {spec.dtype for spec in specs if spec.dtype.is_floating_point}
+    return floating.pop() if len(floating) == 1 else None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 from .adapters import is_peft_model
@@ -31,6 +32,9 @@ class ModelFacts:
     source: PretrainedSource | None
     # Modality branches (names) of a multimodal model and the language model they feed: see `branches`.
     branches: tuple[list[str], str | None] = ([], None)
+    # Trainable parameters that sharding made float32 masters, with the dtype they were loaded in: exports
+    # return to it, as save_pretrained of the model the user loaded would write it.
+    upcast_from: dict[str, torch.dtype] = field(default_factory=dict)
     # Tensors the checkpoint lacks, initialized as from_pretrained would (filled in when each rank reads its
     # slices; on the rank-0 route from_pretrained itself reports them).
     missing: list[str] = field(default_factory=list)

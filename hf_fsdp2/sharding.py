@@ -177,12 +177,14 @@ def upcast_trainable(model: nn.Module, policy: MixedPrecisionPolicy) -> None:
     """Make trainable low-precision params fp32 masters when compute runs in a lower precision."""
     if policy.param_dtype in (None, torch.float32):
         return
-    groups = {id(model.get_parameter(names[0])): names for names in facts_of(model).tie_groups}
+    facts = facts_of(model)
+    groups = {id(model.get_parameter(names[0])): names for names in facts.tie_groups}
     upcast: list[str] = []
     for name, param in list(model.named_parameters()):
         if param.requires_grad and param.dtype != torch.float32:
             master = nn.Parameter(param.detach().to(torch.float32), requires_grad=True)
             set_tensor(model, groups.get(id(param), [name]), master)
+            facts.upcast_from.update(dict.fromkeys(groups.get(id(param), [name]), param.dtype))
             upcast.append(name)
     if upcast:
         warn_rank0(

@@ -21,6 +21,9 @@ This is the only module that knows Trainer/Accelerate internals. Every private h
 - `_build_accelerator_args`: mixed_precision="no" so Accelerate adds no autocast; precision belongs to
   FSDP2's MixedPrecisionPolicy (tests/test_parity.py::bf16).
 - `_clip_grad_norm` / `_get_grad_norm`: the global norm of DTensor gradients (tests/test_parity.py).
+- `compute_loss` (wrapped): an MoE model's router loss is replaced by its global-batch value, and the loss scale
+  Trainer applied is read back from Trainer's own condition (`average_tokens_across_devices`,
+  `model_accepts_loss_kwargs`, `get_tp_size`) (tests/test_dropin.py moe_qwen3, moe_mixtral).
 - `create_optimizer`: reshard first, because a forward under no_grad (evaluate) leaves the root gathered
   and an optimizer built then holds the wrong tensors (tests/test_trainer.py evaluate-then-train).
 - `model_accepts_loss_kwargs`: cleared when the model's loss ignores `num_items_in_batch`, else
@@ -79,6 +82,7 @@ from .memory_plan import log_memory_plan
 from .model import clip_grad_norm, prepare_model
 from .preemption import Preempted, PreemptionCallback, PreemptionWatcher
 from .resume import find_resume_checkpoint
+from .router_loss import correct_router_loss, router_config
 from .sharding import reshard_all
 from .skeleton import from_pretrained
 
@@ -215,6 +219,25 @@ class FSDP2Mixin:
     def _get_grad_norm(self, model: nn.Module, grad_norm: torch.Tensor | None = None) -> torch.Tensor:
         """Report the global gradient norm (measured without clipping when clipping is off)."""
         return grad_norm if grad_norm is not None else clip_grad_norm(list(model.parameters()), float("inf"))
+
+    def compute_loss(
+        self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None
+    ) -> Any:
+        """Trainer's loss; for an MoE model, its router loss over the global batch, as in one process."""
+        if router_config(self.model) is None or not (model.training and torch.is_grad_enabled()):
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        loss, outputs = super().compute_loss(model, inputs, True, num_items_in_batch)
+        loss = correct_router_loss(loss, outputs, self.model, inputs, self._loss_scale(num_items_in_batch))
+        return (loss, outputs) if return_outputs else loss
+
+    def _loss_scale(self, num_items_in_batch: Any) -> float:
+        """The factor Trainer.compute_loss multiplied the model's loss by (its own condition, read back)."""
+        scaled = (
+            self.args.average_tokens_across_devices
+            and (self.model_accepts_loss_kwargs or self.compute_loss_func)
+            and num_items_in_batch is not None
+        )
+        return self.accelerator.num_processes // self.get_tp_size() if scaled else 1
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         """Build the optimizer over the sharded parameters (reshard first: see module docstring)."""

@@ -25,11 +25,31 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from measure_load_memory import MIB, build_model, vm_kib  # noqa: E402
 
 SIZES = {"small": (6, 512), "medium": (12, 768)}  # layers, hidden (vocab 16000): ~30M and ~100M parameters
+# A Qwen3-MoE (8 experts, top-2, fused experts on torch's grouped_mm) of 6 layers of 512: ~60M parameters.
+MOE = "moe"
+
+
+def build_moe(path: str) -> None:
+    """Save the MoE model of the `moe` size under `path` once."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    if os.path.exists(os.path.join(path, "config.json")):
+        return
+    config = Qwen3MoeConfig(
+        vocab_size=16000, hidden_size=512, intermediate_size=1376, moe_intermediate_size=512, num_experts=8,
+        num_experts_per_tok=2, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=8, head_dim=64,
+        output_router_logits=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    Qwen3MoeForCausalLM(config).save_pretrained(path)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", default="small,medium", help=f"comma-separated subset of {list(SIZES)}")
+    parser.add_argument(
+        "--sizes", default="small,medium", help=f"comma-separated subset of {[*SIZES, MOE]} (moe: a Qwen3-MoE)"
+    )
     parser.add_argument("--nproc", default="1,2,4", help="comma-separated rank counts")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=256)
@@ -139,9 +159,11 @@ def main() -> None:
     cases = []
     started = time.perf_counter()
     for size in sizes:
-        layers, hidden = SIZES[size]
-        path = os.path.join(args.workdir, f"llama-{size}")
-        build_model(path, layers, hidden=hidden)
+        path = os.path.join(args.workdir, f"llama-{size}" if size != MOE else "qwen3-moe")
+        if size == MOE:
+            build_moe(path)
+        else:
+            build_model(path, *SIZES[size][:1], hidden=SIZES[size][1])
         for nproc, bf16, lora, ac in itertools.product(
             ranks, [p == "bf16" for p in args.precisions.split(",")], (False, True), (False, True)
         ):

@@ -24,6 +24,8 @@ def dropin(tmp_path_factory: pytest.TempPathFactory, tiny) -> dict[str, dict[str
     """Results of every scenario: {"plain-1": ..., "fsdp2-1": ..., "fsdp2-2": ...}."""
     out = tmp_path_factory.mktemp("dropin")
     models = (tiny("llama"), tiny("gpt2"))
+    for name in ("qwen3_moe", "mixtral", "llama_bf16"):  # read by path beside llama
+        tiny(name)
     for mode, nproc in (("plain", 0), ("fsdp2", 0), ("fsdp2", 2)):
         run("dropin_worker.py", nproc, mode, str(out), *models, timeout=900)
     results = {}
@@ -65,6 +67,9 @@ SCENARIOS = [
     "seq2seq_own_loss",
     "hyperparameter_search",
     "torch_compile",
+    "moe_qwen3",
+    "moe_mixtral",
+    "lora_new_tokens",
 ]
 
 
@@ -112,6 +117,19 @@ def test_saved_configs_are_what_save_pretrained_writes(dropin):
     for name, saved in configs.items():
         if name != "custom_pretrained":
             assert all(hasattr(transformers, arch) for arch in saved["config.json"]["architectures"]), name
+
+
+def test_a_bf16_checkpoint_with_bf16_trains_fp32_masters_and_exports_bf16(dropin):
+    """Plain Trainer trains the bf16 weights themselves; FSDP2Trainer keeps fp32 masters and computes in bf16 (the
+    better numerics), so the losses agree only to bf16 rounding; the export is in the checkpoint's dtype."""
+    plain, one, two = (dropin[run]["bf16_checkpoint"] for run in ("plain-1", "fsdp2-1", "fsdp2-2"))
+    for result in (plain, one, two):
+        assert "error" not in result, result.get("traceback")
+    assert plain["trained_dtypes"] == ["torch.bfloat16"]
+    assert one["trained_dtypes"] == two["trained_dtypes"] == ["torch.float32"]
+    assert one["exported_dtypes"] == two["exported_dtypes"] == plain["exported_dtypes"] == ["BF16"]
+    assert one["losses"] == pytest.approx(plain["losses"], abs=2e-2)
+    assert two["losses"] == pytest.approx(one["losses"], abs=2e-2)
 
 
 def test_a_second_trainer_with_other_settings_or_a_foreign_shard_is_refused(dropin):

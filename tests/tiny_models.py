@@ -70,11 +70,28 @@ def gpt2() -> PreTrainedModel:
     return GPT2LMHeadModel(config)
 
 
+def moe(family: str) -> PreTrainedModel:
+    """A mixture-of-experts LM (4 experts, top-2) whose loss includes the router's auxiliary loss."""
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    shape = dict(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, num_experts_per_tok=2, output_router_logits=True,
+        router_aux_loss_coef=0.1, pad_token_id=0,
+    )  # fmt: skip
+    if family == "qwen3_moe":
+        return Qwen3MoeForCausalLM(Qwen3MoeConfig(**shape, num_experts=4, moe_intermediate_size=16, head_dim=8))
+    return MixtralForCausalLM(MixtralConfig(**shape, num_local_experts=4))
+
+
 BUILDERS: dict[str, Callable[[], PreTrainedModel]] = {
     "llama": llama,
     "llama_tied": lambda: llama(tied=True),
     "qwen2": qwen2,
     "gpt2": gpt2,
+    "qwen3_moe": lambda: moe("qwen3_moe"),
+    "mixtral": lambda: moe("mixtral"),
+    "llama_bf16": lambda: llama().to(torch.bfloat16),
 }
 
 

@@ -440,6 +440,64 @@ def refusals() -> dict[str, Any]:
     return messages
 
 
+def _by_path(name: str) -> Any:
+    """A saved tiny model beside LLAMA: FSDP2Trainer takes its path (each rank reads its slices)."""
+    path = os.path.join(os.path.dirname(LLAMA), name)
+    return path if MODE == "fsdp2" else AutoModelForCausalLM.from_pretrained(path)
+
+
+def moe_qwen3() -> dict[str, Any]:
+    """Qwen3-MoE by path: fused experts, the router's auxiliary loss in the loss (output_router_logits=True)."""
+    trainer = TrainerClass(_by_path("qwen3_moe"), args("moe_qwen3"), train_dataset=make_dataset(32, 96))
+    trainer.train()
+    return {"losses": losses(trainer), "grad_norms": grad_norms(trainer), "weights": full_weights(trainer.model)}
+
+
+def moe_mixtral() -> dict[str, Any]:
+    """Mixtral by path: the same, with its own router and expert layout."""
+    trainer = TrainerClass(_by_path("mixtral"), args("moe_mixtral"), train_dataset=make_dataset(32, 96))
+    trainer.train()
+    return {"losses": losses(trainer), "grad_norms": grad_norms(trainer), "weights": full_weights(trainer.model)}
+
+
+def bf16_checkpoint() -> dict[str, Any]:
+    """A bfloat16 checkpoint trained with bf16=True: plain Trainer trains the bf16 weights themselves, FSDP2Trainer
+    fp32 masters computing in bf16 (compared loosely, apart); the export is bf16 again, as saved."""
+    trainer = TrainerClass(
+        _by_path("llama_bf16"), args("bf16_checkpoint", bf16=True), train_dataset=make_dataset(32, 96)
+    )
+    trainer.train()
+    export = os.path.join(RUN_DIR, "bf16_checkpoint_export")
+    trainer.save_model(export)
+    dtypes = sorted({str(p.dtype) for p in trainer.model.parameters() if p.requires_grad})
+    exported = {}
+    if RANK == 0:
+        from safetensors import safe_open
+
+        with safe_open(os.path.join(export, "model.safetensors"), "pt") as f:
+            exported = sorted({str(f.get_slice(k).get_dtype()) for k in f.keys()})
+    return {"losses": losses(trainer), "trained_dtypes": dtypes, "exported_dtypes": exported}
+
+
+def lora_new_tokens() -> dict[str, Any]:
+    """LoRA after adding tokens: resize_token_embeddings, then embed_tokens and lm_head in modules_to_save."""
+    from peft import LoraConfig, get_peft_model
+
+    model = causal_model()
+    model.resize_token_embeddings(100)
+    lora = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], modules_to_save=["embed_tokens", "lm_head"]
+    )
+    model = get_peft_model(model, lora)
+    trainer = TrainerClass(model, args("lora_new_tokens"), train_dataset=make_dataset(32, 100))
+    trainer.train()
+    return {"losses": losses(trainer), "weights": full_weights(trainer.model, trainable_only=True)}
+
+
+def grad_norms(trainer: Trainer) -> list[float]:
+    return [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
+
+
 SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {
     f.__name__: f
     for f in (
@@ -458,6 +516,10 @@ SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {
         clip,
         hyperparameter_search,
         torch_compile,
+        moe_qwen3,
+        moe_mixtral,
+        lora_new_tokens,
+        bf16_checkpoint,
     )
 }
 if MODE == "fsdp2":
