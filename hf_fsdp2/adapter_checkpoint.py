@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .adapters import active_adapter, base_name, is_adapter_tensor
+from .checkpoint import MODEL_KEY, load_in_place, model_dir, read_metadata, validate_checkpoint
 from .distributed import is_rank0, warn_rank0
 from .facts import facts_of
 from .loading import copy_full_into
@@ -94,6 +95,9 @@ def load_adapter(model: nn.Module, directory: str) -> None:
     Raises:
         ValueError: when `directory` lacks an adapter's weights file, or its tensors' names or shapes differ.
     """
+    if not os.path.isfile(os.path.join(directory, ADAPTER_WEIGHTS)) and os.path.isdir(model_dir(directory)):
+        _load_adapter_from_model_state(model, directory)
+        return
     for adapter in facts_of(model).adapter_names:
         folder = adapter_dir(directory, adapter)
         path = os.path.join(folder, ADAPTER_WEIGHTS)
@@ -108,6 +112,32 @@ def load_adapter(model: nn.Module, directory: str) -> None:
         _check_matches(stored, live, folder)
         for key, tensor in live.items():
             copy_full_into(tensor, stored[key])
+
+
+def _load_adapter_from_model_state(model: nn.Module, checkpoint: str) -> None:
+    """A checkpoint of Trainer + Accelerate's FSDP2 keeps a PEFT model's adapter inside its sharded model state
+    (`pytorch_model_fsdp_0/`, under peft's file keys); each rank reads its own shards of it (DCP reshards).
+
+    Raises:
+        ValueError: when the model has several adapters (those keys carry no adapter name) or the stored
+            tensors do not fit the model's adapter.
+    """
+    adapters = facts_of(model).adapter_names
+    if len(adapters) != 1:
+        raise ValueError(
+            f"{checkpoint} keeps its adapter inside the model state (Trainer + Accelerate), whose keys name no "
+            f"adapter, but this model has adapters {adapters}; resume with a single adapter."
+        )
+    directory = validate_checkpoint(checkpoint)
+    prefix = MODEL_KEY + "."
+    stored = {
+        key[len(prefix) :]: torch.empty(tuple(md.size), device="meta")
+        for key, md in read_metadata(directory).state_dict_metadata.items()
+        if key.startswith(prefix) and hasattr(md, "size")
+    }
+    live = adapter_state(model, adapters[0])
+    _check_matches(stored, live, directory)
+    load_in_place({MODEL_KEY: {key: tensor.detach() for key, tensor in live.items()}}, directory)
 
 
 def _check_matches(stored: dict[str, torch.Tensor], live: dict[str, torch.Tensor], folder: str) -> None:

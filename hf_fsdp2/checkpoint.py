@@ -32,6 +32,12 @@ from torch.distributed.checkpoint.state_dict import (
 
 from .distributed import is_rank0
 from .facts import facts_of
+from .full_state_checkpoint import (
+    has_full_model_state,
+    has_full_optimizer_state,
+    load_full_model_state,
+    load_full_optimizer_state,
+)
 from .hf_export import staging_dir
 
 MODEL_DIR = "pytorch_model_fsdp_0"
@@ -285,7 +291,11 @@ def save_sharded(
 
 
 def resume_model(model: nn.Module, checkpoint: str) -> None:
-    """Fill the sharded model in place from a checkpoint (any world size: DCP reshards)."""
+    """Fill the sharded model in place from a checkpoint (any world size: DCP reshards); also from a
+    FULL_STATE_DICT checkpoint of Trainer + Accelerate (`full_state_checkpoint`)."""
+    if not os.path.isdir(model_dir(checkpoint)) and has_full_model_state(checkpoint):
+        load_full_model_state(model_state_dict(model), checkpoint)
+        return
     directory = validate_checkpoint(checkpoint)
     state = model_state_dict(model)
     check_compatible(read_metadata(directory), state, MODEL_KEY)
@@ -299,6 +309,9 @@ def resume_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, checkpo
         ValueError: when `checkpoint` has no complete optimizer_0 folder or its files cannot be read.
     """
     directory = os.path.join(checkpoint, OPTIMIZER_DIR)
+    if not os.path.isdir(directory) and has_full_optimizer_state(checkpoint):
+        load_full_optimizer_state(model, optimizer, checkpoint)
+        return
     if not os.path.isfile(os.path.join(directory, METADATA_FILE)):
         raise ValueError(
             f"{checkpoint} has no complete {OPTIMIZER_DIR}/ to resume the optimizer from (saved with "

@@ -17,6 +17,9 @@ This is the only module that knows Trainer/Accelerate internals. Every private h
 - `TrainingArguments._setup_devices` (its cached value dropped, then computed again): on a machine without
   accelerators under torchrun, `use_cpu` is set so Accelerate sees the CPU process group
   (tests/test_trainer.py without use_cpu at 2 ranks; tests/test_readme.py runs the README's script as written).
+- `TrainingArguments.fsdp` / `fsdp_plugin_args` and Accelerate's `FullyShardedDataParallelPlugin`: read once by
+  `from_accelerate.resolve_config` in `__init__` (settings carried into FSDP2Config), then `fsdp` cleared so
+  Trainer builds no FSDP plugin and nothing shards the model twice (tests/test_from_accelerate*.py).
 - `_move_model_to_device`: a no-op; sharding placed the model (moving DTensors would break offload).
 - `_build_accelerator_args`: mixed_precision="no" so Accelerate adds no autocast; precision belongs to
   FSDP2's MixedPrecisionPolicy (tests/test_parity.py::bf16).
@@ -78,6 +81,7 @@ from .config import FSDP2Config
 from .consolidate import save_pretrained_sharded, write_model_files
 from .distributed import init_distributed, is_rank0, log_rank0, warn_rank0
 from .facts import describe, facts_of
+from .from_accelerate import resolve_config
 from .memory_plan import log_memory_plan
 from .model import clip_grad_norm, prepare_model
 from .preemption import Preempted, PreemptionCallback, PreemptionWatcher
@@ -96,12 +100,12 @@ class FSDP2Mixin:
     """
 
     def __init__(self, *trainer_args: Any, fsdp2_config: FSDP2Config | None = None, **trainer_kwargs: Any) -> None:
-        self.fsdp2_config = fsdp2_config if fsdp2_config is not None else FSDP2Config()
         # The next class's own signature says which argument is the model (DPOTrainer's second is ref_model).
         bound = _bind(super().__init__, trainer_args, trainer_kwargs)
         model, args = bound.arguments.get("model"), bound.arguments.get("args")
-        _validate_args(model, self.fsdp2_config, bound.arguments)
+        _validate_args(model, bound.arguments)
         init_distributed()
+        self.fsdp2_config = resolve_config(fsdp2_config, args)
         if isinstance(model, (str, os.PathLike)):
             bound.arguments["model"] = self._skeleton(model, args)
         self._original_names: dict[int, str] = {}
@@ -447,7 +451,7 @@ def _unwrap_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer
     return getattr(optimizer, "optimizer", optimizer)
 
 
-def _validate_args(model: Any, config: FSDP2Config, kwargs: dict[str, Any]) -> None:
+def _validate_args(model: Any, kwargs: dict[str, Any]) -> None:
     """Reject a trainer with nothing to train before any process group is started."""
     if model is None and kwargs.get("model_init") is None:
         raise ValueError(
@@ -456,12 +460,8 @@ def _validate_args(model: Any, config: FSDP2Config, kwargs: dict[str, Any]) -> N
 
 
 def _validate_training_args(args: TrainingArguments, config: FSDP2Config) -> None:
-    """Reject TrainingArguments that would double-shard or checkpoint activations twice."""
-    if args.fsdp:
-        raise ValueError(
-            f"TrainingArguments(fsdp={args.fsdp!r}) asks Accelerate to shard the model too; remove it — "
-            "FSDP2Trainer shards the model itself (configure it with FSDP2Config)."
-        )
+    """Reject TrainingArguments that would checkpoint activations twice (their FSDP settings were carried into
+    FSDP2Config already: from_accelerate)."""
     if args.deepspeed:
         raise ValueError("TrainingArguments(deepspeed=...) cannot be combined with FSDP2Trainer; remove it.")
     if args.activation_checkpointing and config.fsdp_activation_checkpointing:

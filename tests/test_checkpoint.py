@@ -239,10 +239,17 @@ def test_the_checks_name_the_damaged_file_and_delete_nothing(runs, tmp_path):
     assert sorted(os.listdir(run_dir)) == [".checkpoint-6.incomplete", "checkpoint-2", "checkpoint-4"]
 
 
-def test_a_run_accelerate_started_finishes_exactly_with_fsdp2_trainer(tmp_path, tiny):
+@pytest.mark.parametrize(
+    "variant",
+    [(), ("lora",), ("full_state",), ("lora", "full_state")],
+    ids=["full", "lora", "full_state_dict", "lora_full_state_dict"],
+)
+def test_a_run_accelerate_started_finishes_exactly_with_fsdp2_trainer(tmp_path, tiny, variant):
     """Coming from Trainer + Accelerate's FSDP2 plugin: its SHARDED_STATE_DICT checkpoint-2 resumed by
-    FSDP2Trainer continues the loss curve and ends at the weights of the uninterrupted Accelerate run."""
-    run("accelerate_resume_worker.py", 2, tiny("llama"), str(tmp_path))
+    FSDP2Trainer continues the loss curve and ends at the weights of the uninterrupted Accelerate run. With LoRA,
+    Accelerate kept the adapter inside its sharded model state (no adapter_model.safetensors): read from there.
+    FULL_STATE_DICT checkpoints (pytorch_model_fsdp.bin, optimizer.bin) resume too, each rank taking its shards."""
+    run("accelerate_resume_worker.py", 2, tiny("llama"), str(tmp_path), *variant)
     result = load_result(str(tmp_path))
     theirs, ours = result["accelerate"], result["ours"]
     assert len(theirs) == 4 and len(ours) == 4  # the resumed history holds the checkpoint's two steps

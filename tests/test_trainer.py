@@ -29,20 +29,13 @@ def args(**kwargs) -> TrainingArguments:
 
 def test_a_trainer_without_model_or_model_init_is_refused():
     with pytest.raises(ValueError, match="FSDP2Trainer needs `model`"):
-        _validate_args(None, FSDP2Config(), {})
-    _validate_args(None, FSDP2Config(), {"model_init": lambda: None})  # model_init alone is enough
+        _validate_args(None, {})
+    _validate_args(None, {"model_init": lambda: None})  # model_init alone is enough
 
 
 def test_activation_checkpointing_twice_is_refused():
     with pytest.raises(ValueError, match="keep only FSDP2Config's"):
         _validate_training_args(args(activation_checkpointing=True), FSDP2Config(fsdp_activation_checkpointing=True))
-
-
-def test_accelerate_fsdp_is_refused():
-    training = args()
-    training.fsdp = ["full_shard"]
-    with pytest.raises(ValueError, match="FSDP2Trainer shards the model itself"):
-        _validate_training_args(training, FSDP2Config())
 
 
 def test_an_optimizer_over_foreign_parameters_is_refused(tiny):
