@@ -38,6 +38,7 @@ _WRAP_POLICIES = {
     "transformer_auto_wrap_policy": "transformer_based_wrap",
     "size_based_auto_wrap_policy": "size_based_wrap",
 }
+_STASH = "_hf_fsdp2_accelerate_fsdp"  # the carried settings, kept on TrainingArguments once read
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(FSDP2Config) if f.default is not dataclasses.MISSING}
 
 
@@ -69,13 +70,17 @@ def resolve_config(config: FSDP2Config | None, args: Any) -> FSDP2Config:
     config = _apply(config, carried, source)
     _log_notes(source, plugin)
     if args is not None and getattr(args, "fsdp", None):
-        # NOTE: Accelerate must not shard the model a second time; the settings live in FSDP2Config now.
+        # NOTE: Accelerate must not shard the model a second time (and Trainer refuses fsdp in one process); the
+        # settings live in FSDP2Config now, and stay on the arguments for the next trainer built with them.
+        args.__dict__[_STASH] = found
         args.fsdp, args.fsdp_plugin_args = [], None
     return _carry_mixed_precision(config, args)
 
 
 def _read_settings(args: Any) -> tuple[str, dict[str, Any], dict[str, Any]] | None:
     """(where from, raw keys, the plugin's arguments) of TrainingArguments' or `accelerate launch`'s FSDP."""
+    if args is not None and _STASH in args.__dict__:
+        return args.__dict__[_STASH]
     if args is not None and getattr(args, "fsdp", None):
         raw = dict(getattr(args, "fsdp_config", None) or {})
         plugin_args = dict(getattr(args, "fsdp_plugin_args", None) or {})

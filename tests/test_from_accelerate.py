@@ -50,6 +50,7 @@ def test_fsdp_config_becomes_fsdp2_config_and_accelerate_no_longer_shards(caplog
     carried = [r.getMessage() for r in caplog.records if "Carried over from" in r.getMessage()]
     assert len(carried) == 1 and "fsdp_activation_checkpointing=True" in carried[0]
     assert any("always RAM-efficient" in r.getMessage() for r in caplog.records)
+    assert resolve_config(None, args) == config  # a second trainer built with the same arguments
 
 
 def test_an_fsdp2_config_field_the_user_set_wins_and_the_log_says_so(caplog):
