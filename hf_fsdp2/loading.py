@@ -264,7 +264,7 @@ def safetensors_shapes(path: str) -> dict[str, torch.Size] | None:
     return {key: md.size for key, md in metadata.state_dict_metadata.items()}
 
 
-def _needs_conversion(model: nn.Module) -> str | None:
+def needs_conversion(model: nn.Module) -> str | None:
     """Name the reason the checkpoint's keys need transformers' own conversion, or None."""
     model = model.get_base_model() if facts_of(model).is_peft else model
     if not isinstance(model, PreTrainedModel):
@@ -286,7 +286,7 @@ def choose_route(model: nn.Module) -> SafetensorsPlan | None:
     if source is None:
         reason = "the model is an object, so rank 0's weights are the truth"
     else:
-        reason = _needs_conversion(model) or (None if shapes else f"no *.safetensors readable in {source.path}")
+        reason = needs_conversion(model) or (None if shapes else f"no *.safetensors readable in {source.path}")
     _, reason = first_on_any_rank(reason)
     if reason:
         log_rank0("Loading on rank 0 and broadcasting: %s.", reason)

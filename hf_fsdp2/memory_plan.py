@@ -126,6 +126,9 @@ class ModelSizes:
     block_classes: list[str]
     config: Any = None
     load_dtype: torch.dtype = torch.float32
+    # Set when transformers must convert the checkpoint's keys (fused MoE experts, renamed VLM modules): loading
+    # then builds the whole model on rank 0 and sends it out (see `loading.choose_route`); its bytes as loaded.
+    rank0_load_bytes: int = 0
 
 
 def plan(
@@ -232,6 +235,7 @@ def model_sizes(request: PlanRequest) -> ModelSizes:
 def skeleton_sizes(config: Any, lora: Any, bf16: bool) -> ModelSizes:
     """Count parameters by role on a meta skeleton of `config`, wrapped with the peft `lora` config if given."""
     from .config import FSDP2Config
+    from .loading import needs_conversion
     from .sharding import block_classes, select_units
 
     dtype = config.dtype if isinstance(config.dtype, torch.dtype) else torch.float32
@@ -242,6 +246,7 @@ def skeleton_sizes(config: Any, lora: Any, bf16: bool) -> ModelSizes:
 
         model = get_peft_model(model, copy.deepcopy(lora))
     units = select_units(model, FSDP2Config())
+    converted = needs_conversion(model) is not None
     in_units = {id(p) for unit in units for p in unit.parameters()}
     stored = {id(p): _stored_bytes(p, bf16) for p in model.parameters()}
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -260,6 +265,7 @@ def skeleton_sizes(config: Any, lora: Any, bf16: bool) -> ModelSizes:
         block_classes=block_classes(model, FSDP2Config()),
         config=config,
         load_dtype=dtype,
+        rank0_load_bytes=sum(p.numel() * p.element_size() for p in model.parameters()) if converted else 0,
     )
 
 
@@ -370,6 +376,11 @@ def phases_for(request: PlanRequest, sizes: ModelSizes, activations: int) -> lis
     # Slices are read straight into the shards (no read buffer: measured); the tensors no checkpoint holds (a
     # LoRA adapter) are drawn full on every rank, and held twice while peft's replay is alive.
     load = {"sharded parameters": params, "buffers": sizes.buffers_bytes, "new tensors, full": 2 * sizes.new_bytes}
+    if sizes.rank0_load_bytes:
+        # Rank 0's from_pretrained holds the built model and the checkpoint pages it read (measured: 1.96x the
+        # model for a Qwen3-MoE); the model stays while the shards are filled from it.
+        whole = {"whole model on rank 0 (from_pretrained: model + checkpoint pages read)": 2 * sizes.rank0_load_bytes}
+        load = {**whole, "buffers": sizes.buffers_bytes, "new tensors, full": 2 * sizes.new_bytes}
     phases = [
         Phase("load", {**load, **runtime}),
         Phase("training", {**training, **runtime}),
