@@ -18,7 +18,7 @@ from tests.launch import run
 from tests.test_dropin import differences
 from tests.tiny_vlms import FAMILIES, save_tiny_vlm
 
-VARIANTS = ("full", "frozen_vision", "lora")
+VARIANTS = ("full", "frozen_vision", "lora", "lora_everywhere")
 
 
 @pytest.fixture(scope="module")

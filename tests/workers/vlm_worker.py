@@ -69,7 +69,9 @@ def args(name: str, **overrides: Any) -> TrainingArguments:
     return TrainingArguments(**values)
 
 
-def train(name: str, family: VlmFamily, freeze_vision: bool = False, lora: bool = False) -> dict[str, Any]:
+def train(
+    name: str, family: VlmFamily, freeze_vision: bool = False, lora: bool = False, lora_targets: Any = None
+) -> dict[str, Any]:
     """Train a family's tiny model on mixed batches; return losses, trainable weights, image placement."""
     path = os.path.join(MODELS, family.name)
     if MODE == "fsdp2" and not (freeze_vision or lora):
@@ -81,8 +83,10 @@ def train(name: str, family: VlmFamily, freeze_vision: bool = False, lora: bool 
         if lora:
             from peft import LoraConfig, get_peft_model
 
+            torch.manual_seed(0)  # the adapters' initial values: the same in both runs
             # LoRA on the language model only: the vision tower's projections are named alike.
-            model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=family.lm_lora_targets))
+            targets = lora_targets or family.lm_lora_targets
+            model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets))
     seen: list[bool] = []
 
     def collate(rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
@@ -120,6 +124,10 @@ def scenarios() -> dict[str, Any]:
         out[f"{family.name}_full"] = lambda f=family: train(f"{f.name}_full", f)
         out[f"{family.name}_frozen_vision"] = lambda f=family: train(f"{f.name}_frozen", f, freeze_vision=True)
         out[f"{family.name}_lora"] = lambda f=family: train(f"{f.name}_lora", f, lora=True)
+        # The naive config: these names match the vision tower's attention too, so adapters train in a branch.
+        out[f"{family.name}_lora_everywhere"] = lambda f=family: train(
+            f"{f.name}_lora_everywhere", f, lora=True, lora_targets=["q_proj", "v_proj"]
+        )
     return out
 
 
