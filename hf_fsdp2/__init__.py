@@ -4,10 +4,18 @@ Read the code in flow order: distributed → skeleton → loading → sharding �
 """
 
 import logging
+import os
 
-from transformers.utils import logging as transformers_logging
+import torch
 
-from .callbacks import ConsolidateCallback
+if not torch.cuda.is_available():
+    # torchao (the optional 'qlora' extra, imported by transformers and peft when installed) tries to load its CUDA
+    # kernels and prints a failure per library on a machine without CUDA; NF4 needs none of them.
+    os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
+
+from transformers.utils import logging as transformers_logging  # noqa: E402
+
+from .callbacks import ConsolidateCallback  # noqa: E402
 from .config import FSDP2Config
 from .consolidate import consolidate
 from .distributed import close_distributed, start_restarted_worker

@@ -63,6 +63,17 @@ class FSDP2Config:
             "so ranks never disagree on a collective. See the README's 'Vision-language models'."
         },
     )
+    base_quantization: str | None = field(
+        default=None,
+        metadata={
+            "help": "'nf4': QLoRA — the frozen base's linear weights become 4-bit NF4 (torchao's NF4Tensor, not "
+            "bitsandbytes' kernels), each rank quantizing only its own rows, bit-equal to quantizing the whole "
+            "tensor; FSDP2 gathers them in 4 bits. Weights that cannot split into whole NF4 blocks at this world size "
+            "(and embeddings, head, norms) stay dense and are listed in the log. Needs the 'qlora' extra. Also set "
+            "by from_pretrained(path, quantization_config=BitsAndBytesConfig(load_in_4bit=True, "
+            "bnb_4bit_quant_type='nf4'))."
+        },
+    )
     reshard_after_forward: str = field(
         default="true",
         metadata={
@@ -198,6 +209,10 @@ class FSDP2Config:
             )
         if isinstance(self.branch_modules, str):
             self.branch_modules = [name.strip() for name in self.branch_modules.split(",") if name.strip()]
+        if self.base_quantization not in (None, "nf4"):
+            raise ValueError(
+                f"base_quantization={self.base_quantization!r} is not supported; use 'nf4' (QLoRA) or leave it None."
+            )
         if self.min_num_params < 1:
             raise ValueError(f"min_num_params={self.min_num_params} must be >= 1 (a parameter count).")
         for name in ("param_dtype", "reduce_dtype", "export_dtype"):

@@ -38,6 +38,7 @@ from .distributed import (
     warn_rank0,
 )
 from .facts import facts_of
+from .nf4 import global_mean_absmax, is_nf4, nf4_from_rows
 from .safetensors_reader import SliceReader
 from .skeleton import PretrainedSource, build_skeleton, first_meta_tensor, move_to_meta, set_tensor
 
@@ -244,9 +245,29 @@ def copy_full_into(target: torch.Tensor, full: torch.Tensor) -> None:
 
 
 def read_safetensors_shards(model: nn.Module, path: str, plan: SafetensorsPlan) -> None:
-    """Read each rank's slices of every planned tensor straight from the safetensors files."""
-    state = {key: _get(model, name) for name, key in plan.keys.items()}
+    """Read each rank's slices of every planned tensor straight from the safetensors files (NF4 weights: their
+    rows, then quantized, one weight at a time, so no rank holds more than one dense slice of them)."""
+    nf4 = [name for name in plan.keys if is_nf4(_get(model, name))]
+    state = {key: _get(model, name) for name, key in plan.keys.items() if name not in nf4}
     dcp.load(state, storage_reader=SliceReader(path))
+    for name in nf4:
+        quantized = _read_nf4(_get(model, name), plan.keys[name], path)
+        module_name, _, leaf = name.rpartition(".")
+        # NOTE: assign, so FSDP2's post-load hook re-points its parameter at the new shard.
+        model.get_submodule(module_name).load_state_dict({leaf: quantized}, strict=False, assign=True)
+
+
+def _read_nf4(target: torch.Tensor, key: str, path: str) -> torch.Tensor:
+    """This rank's rows of one weight, quantized to NF4 as one process would quantize the whole tensor."""
+    if not isinstance(target, DTensor):  # one shard: NF4 weights stay outside FSDP (see sharding)
+        rows = torch.empty(target.shape, dtype=target.dtype, device=get_device())
+        dcp.load({key: rows}, storage_reader=SliceReader(path))
+        return nn.Parameter(nf4_from_rows(rows, global_mean_absmax(rows)), requires_grad=False)
+    mesh, layout = target.device_mesh, dict(placements=target.placements, shape=target.shape, stride=target.stride())
+    rows = torch.empty(target.to_local().shape, dtype=target.dtype, device=target.to_local().device)
+    dcp.load({key: DTensor.from_local(rows, mesh, **layout)}, storage_reader=SliceReader(path))
+    local = nf4_from_rows(rows, global_mean_absmax(rows, mesh.get_group(mesh.ndim - 1)))
+    return DTensor.from_local(local, mesh, **layout)
 
 
 @torch.no_grad()

@@ -21,6 +21,7 @@ from .config import FSDP2Config
 from .distributed import build_mesh, check_same_on_all_ranks, get_device, init_distributed, log_rank0
 from .facts import ModelFacts, describe, facts_of
 from .loading import load_pretrained
+from .nf4 import nf4_candidates, quantize_skeleton
 from .sharding import (
     mixed_precision_policy,
     reduce_scalar_gradients,
@@ -43,6 +44,7 @@ _SHARDING_FIELDS = (
     "compile",
     "hsdp_replicate_size",
     "branch_modules",
+    "base_quantization",
 )
 
 
@@ -72,8 +74,12 @@ def prepare_model(
             "cpu_offload=True moves shards from an accelerator to host memory, but this machine has no "
             "accelerator (parameters already live in host memory); remove cpu_offload."
         )
+    _refuse_bitsandbytes(model)
     describe(model, facts)
     mesh = build_mesh(config.hsdp_replicate_size)
+    source = facts_of(model).source
+    if config.base_quantization == "nf4" or (source is not None and source.quantization == "nf4"):
+        quantize_base(model, mesh.size(mesh.ndim - 1))
     units = select_units(model, config)
 
     def shard(skeleton: nn.Module) -> None:
@@ -93,6 +99,51 @@ def prepare_model(
         f"{sum(p.numel() for p in model.parameters()):,}",
     )
     return model
+
+
+def _refuse_bitsandbytes(model: nn.Module) -> None:
+    """A model bitsandbytes already quantized cannot be sharded (its quantization state stays whole per rank).
+
+    Raises:
+        ValueError: naming what to pass instead.
+    """
+    quantized = getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False)
+    layer = next((type(m).__name__ for m in model.modules() if type(m).__name__ in _BNB_LAYERS), None)
+    if quantized or layer:
+        raise ValueError(
+            f"{type(model).__name__} was quantized by bitsandbytes ({layer or 'is_loaded_in_4bit'}), whose quantized "
+            "weights FSDP2 cannot shard. Pass the path instead: FSDP2Trainer(model='path/to/hf-model', ...) with "
+            "hf_fsdp2.from_pretrained(path, quantization_config=BitsAndBytesConfig(load_in_4bit=True, "
+            "bnb_4bit_quant_type='nf4')) or FSDP2Config(base_quantization='nf4'): the base becomes torchao NF4, "
+            "sharded."
+        )
+
+
+_BNB_LAYERS = ("Linear4bit", "Linear8bitLt", "LinearNF4", "LinearFP4")
+
+
+def quantize_base(model: nn.Module, shards: int) -> None:
+    """Make the frozen base's eligible linear weights NF4 on the skeleton, before sharding (QLoRA).
+
+    Raises:
+        ValueError: when the model is not a skeleton read from safetensors (NF4 shards are made from each rank's
+            own rows), or no weight can be NF4 at this world size.
+    """
+    source = facts_of(model).source
+    if source is None:
+        raise ValueError(
+            "base_quantization='nf4' quantizes each rank's rows as it reads them from the checkpoint, so the model "
+            "must come as a path: FSDP2Trainer(model='path/to/hf-model', ...) or hf_fsdp2.from_pretrained(path)."
+        )
+    names, dense = nf4_candidates(model, shards)
+    if not names:
+        raise ValueError(
+            f"base_quantization='nf4': no weight of {type(model).__name__} can be NF4 at {shards} shards "
+            f"(e.g. {next(iter(dense.items()), ('', ''))}); freeze the base (LoRA) and check the shapes."
+        )
+    quantize_skeleton(model, names)
+    kept = sorted({reason for reason in dense.values()})
+    log_rank0("NF4 base: %d weights quantized; %d kept dense (%s).", len(names), len(dense), "; ".join(kept))
 
 
 def sharding_summary(config: FSDP2Config, policy: MixedPrecisionPolicy) -> dict[str, Any]:

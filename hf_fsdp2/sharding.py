@@ -24,6 +24,7 @@ from .branches import branch_names, inside_branch
 from .config import WRAP_POLICIES, FSDP2Config, resolve_dtype
 from .distributed import log_rank0, warn_rank0
 from .facts import facts_of
+from .nf4 import is_nf4
 from .skeleton import set_tensor
 
 
@@ -233,9 +234,13 @@ def shard_model(
     kwargs: dict[str, Any] = dict(mesh=mesh, reshard_after_forward=config.reshard_policy, mp_policy=policy)
     if config.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
-    scalars = set(scalar_parameters(model))
-    if scalars:
-        kwargs["ignored_params"] = scalars
+    ignored = set(scalar_parameters(model))
+    if mesh.size(mesh.ndim - 1) == 1:
+        # NOTE: with one shard FSDP2 (torch 2.13) skips the all-gather and hands NF4's gather hook a single
+        # tensor; frozen NF4 weights then stay whole outside FSDP, as they would be anyway.
+        ignored |= {p for p in model.parameters() if is_nf4(p)}
+    if ignored:
+        kwargs["ignored_params"] = ignored
     for unit in units:
         fully_shard(unit, **kwargs)
     # The root's parameters (embedding, final norm, a tied head) are the last used in forward and the first

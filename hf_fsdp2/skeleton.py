@@ -29,6 +29,8 @@ class PretrainedSource:
     # The CPU RNG state when the skeleton was built: weights the checkpoint lacks (and PEFT adapters added
     # afterwards) are initialized from it, drawing the same numbers as a real from_pretrained at that point.
     rng_state: torch.Tensor | None = None
+    # "nf4" when from_pretrained was given a 4-bit BitsAndBytesConfig (the base is quantized while sharding).
+    quantization: str | None = None
 
 
 def from_pretrained(path: str | os.PathLike, auto_class: Any = None, **kwargs: Any) -> nn.Module:
@@ -41,11 +43,42 @@ def from_pretrained(path: str | os.PathLike, auto_class: Any = None, **kwargs: A
     """
     path = os.fspath(path)
     rng_state = torch.random.get_rng_state()
+    quantization = four_bit_quantization(kwargs)
     if auto_class is None:
         auto_class = default_auto_class(path, kwargs.get("trust_remote_code", False))
     model = build_skeleton(path, auto_class, kwargs)
-    setattr(model, SOURCE_ATTR, PretrainedSource(path, auto_class, dict(kwargs), rng_state))
+    setattr(model, SOURCE_ATTR, PretrainedSource(path, auto_class, dict(kwargs), rng_state, quantization))
     return model
+
+
+def four_bit_quantization(kwargs: dict[str, Any]) -> str | None:
+    """Take a `quantization_config` out of from_pretrained's kwargs: "nf4" for QLoRA's 4-bit NF4, else refuse.
+
+    bitsandbytes' 4-bit NF4 becomes torchao's NF4 (the same format: 64-value blocks, double-quantized scalers),
+    quantized while sharding; its compute dtype becomes the dtype the base is read and dequantized in.
+
+    Raises:
+        ValueError: for any other quantization (8-bit, fp4, other methods), naming it.
+    """
+    config = kwargs.pop("quantization_config", None)
+    if config is None:
+        return None
+    settings = config if isinstance(config, dict) else config.to_dict()
+    method = settings.get("quant_method", "bitsandbytes")
+    method = str(getattr(method, "value", method)).lower().replace("_", "")
+    kind = str(settings.get("bnb_4bit_quant_type", "fp4")).lower()
+    if method != "bitsandbytes" or not settings.get("load_in_4bit") or kind != "nf4":
+        what = (
+            "8-bit" if settings.get("load_in_8bit") else (f"4-bit {kind}" if settings.get("load_in_4bit") else method)
+        )
+        raise ValueError(
+            f"quantization_config asks for {what} quantization; hf_fsdp2 shards 4-bit NF4 bases only (QLoRA): "
+            "BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4'), or FSDP2Config(base_quantization='nf4')."
+        )
+    compute = settings.get("bnb_4bit_compute_dtype")
+    if compute is not None and "dtype" not in kwargs and "torch_dtype" not in kwargs:
+        kwargs["dtype"] = str(compute).removeprefix("torch.")
+    return "nf4"
 
 
 def default_auto_class(path: str, trust_remote_code: bool = False) -> Any:

@@ -1,0 +1,127 @@
+"""4-bit (NF4) frozen bases for QLoRA: which weights become torchao `NF4Tensor`s, and each rank's NF4 shard
+made from its own rows exactly as one process quantizing the whole tensor and chunking it would.
+
+NF4 quantizes each 64-value block with its absmax and double-quantizes those absmax values per 256-value block
+around their mean. Everything is local to a block except that mean, so a rank quantizes its rows with the mean
+of every rank's block absmax values (one all-gather, then the mean of the whole vector as one process would
+take it): bit-equal to `to_nf4(full).chunk(N)[rank]`. FSDP2 then all-gathers the 4-bit inner tensors (torchao
+implements its all-gather hooks). Knows nothing about the Trainer or checkpoints.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+BLOCK, SCALER_BLOCK = 64, 256  # torchao's defaults (and QLoRA's)
+_SKIPPED_MODULES = ("lm_head", "embed", "wte", "wpe", "norm")
+
+
+def _torchao_nf4() -> Any:
+    """torchao's NF4 module, or an error naming the extra to install."""
+    os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")  # NF4 is pure PyTorch: no CUDA kernels needed
+    try:
+        from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
+    except ImportError as error:
+        raise ImportError(
+            "4-bit (NF4) bases need torchao: pip install 'hf_fsdp2[qlora]' (torchao is an optional extra)."
+        ) from error
+    return nf4_tensor
+
+
+def why_not_nf4(name: str, param: torch.Tensor, shards: int) -> str | None:
+    """Why this weight stays dense at `shards` ranks, or None when it can be NF4 and split evenly.
+
+    Each rank's rows must hold whole 64 x 256-value scaler blocks, and rows must split evenly (FSDP pads
+    uneven splits, which NF4 cannot do).
+    """
+    if param.requires_grad:
+        return "trainable"
+    if param.ndim != 2:
+        return f"{param.ndim}-D"
+    if any(part in name.split(".")[-2] for part in _SKIPPED_MODULES):
+        return "embedding, head or norm"
+    rows, cols = param.shape
+    if rows % shards:
+        return f"{rows} rows do not split over {shards} ranks"
+    if (rows // shards) * cols % (BLOCK * SCALER_BLOCK):
+        return f"a rank's {rows // shards}x{cols} slice is not a whole number of {BLOCK * SCALER_BLOCK}-value blocks"
+    return None
+
+
+def nf4_candidates(model: nn.Module, shards: int) -> tuple[list[str], dict[str, str]]:
+    """The frozen linear weights that become NF4 at this shard count, and the others with why they stay dense."""
+    chosen, dense = [], {}
+    for module_name, module in model.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        name = f"{module_name}.weight"
+        reason = why_not_nf4(name, module.weight, shards)
+        if reason is None:
+            chosen.append(name)
+        else:
+            dense[name] = reason
+    return chosen, dense
+
+
+def quantize_skeleton(model: nn.Module, names: list[str]) -> None:
+    """Make each named (meta) weight a frozen NF4 parameter, before sharding, so FSDP2 gathers it in 4 bits."""
+    nf4 = _torchao_nf4()
+    for name in names:
+        module_name, _, leaf = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        weight = module._parameters[leaf]
+        module._parameters[leaf] = nn.Parameter(nf4.to_nf4(weight.detach(), BLOCK, SCALER_BLOCK), requires_grad=False)
+
+
+@torch.no_grad()
+def nf4_from_rows(rows: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
+    """This rank's NF4 shard of a weight from its own rows and the whole tensor's mean block absmax."""
+    nf4 = _torchao_nf4()
+    rows = rows.contiguous()
+    flat = rows.flatten()
+    scalers = nf4.get_block_absmax(flat, BLOCK) - mean
+    n_scaler_blocks = scalers.numel() // SCALER_BLOCK
+    absmax = nf4.get_block_absmax(scalers, SCALER_BLOCK).unsqueeze(-1).expand(n_scaler_blocks, SCALER_BLOCK)
+    factor = 256 / (2 * absmax)  # as torchao computes it, to the bit
+    quantized_scalers = (scalers.view(n_scaler_blocks, SCALER_BLOCK) * factor).round().clamp(-128, 127)
+    levels = nf4.NF4Tensor.from_tensor(torch.zeros(BLOCK * SCALER_BLOCK, dtype=rows.dtype), BLOCK, SCALER_BLOCK).nf4
+    n_blocks = flat.numel() // BLOCK
+    meta = nf4.SubclassTensorArgs(rows.size(), rows.stride(), 0, rows.dtype, rows.device, False)
+    return nf4.NF4Tensor(
+        meta,
+        BLOCK,
+        n_blocks,
+        SCALER_BLOCK,
+        quantized_scalers.flatten().to(torch.int8),
+        factor[:, 0].clone(memory_format=torch.contiguous_format),  # stride 1 even for one block (FSDP views it)
+        mean,
+        nf4.NF4Tensor.convert_to_norm_float_weight(rows, n_blocks, BLOCK, levels),
+        nf4=levels,
+    )
+
+
+def global_mean_absmax(rows: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """The mean of every block absmax of the whole tensor, as one process computes it over the whole vector.
+
+    `group`: the ranks holding the other rows (None: `rows` is the whole tensor).
+    NOTE: collective over `group` (an all-gather of this rank's absmax values); its ranks call it for the same
+    weights in the same order. A sum of partial sums is not bit-exact, the mean of the gathered vector is.
+    """
+    nf4 = _torchao_nf4()
+    local = nf4.get_block_absmax(rows.contiguous().flatten(), BLOCK)
+    if group is None or dist.get_world_size(group) == 1:
+        return local.mean()
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, local, group=group)
+    return torch.cat(parts).mean()
+
+
+def is_nf4(tensor: torch.Tensor) -> bool:
+    """True for an NF4Tensor (or a DTensor holding one)."""
+    local = getattr(tensor, "_local_tensor", tensor)
+    return type(local).__name__ == "NF4Tensor"

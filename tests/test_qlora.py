@@ -1,0 +1,124 @@
+"""QLoRA under FSDP2: a 4-bit NF4 base sharded over 2 ranks, each rank quantizing only its own rows, and LoRA
+trained exactly as one process training the same NF4 model (torchao's `to_nf4` on the whole weights, no FSDP)
+(tests/workers/qlora_worker.py). Plus the bit-exactness of a rank's NF4 shard and the refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from tests.launch import run
+from tests.test_dropin import differences
+
+pytest.importorskip("torchao", reason="the 'qlora' extra")
+
+SCENARIOS = ("bnb_config", "switch", "resume")
+
+
+@pytest.fixture(scope="module")
+def qlora(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """A Llama whose every projection quantizes at 2 ranks (hidden 256), trained plain and with FSDP2Trainer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = tmp_path_factory.mktemp("qlora")
+    config = LlamaConfig(
+        vocab_size=96, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(out / "model")
+    for mode, nproc in (("plain", 0), ("fsdp2", 2)):
+        run("qlora_worker.py", nproc, mode, str(out), str(out / "model"), timeout=600)
+    results = {}
+    for name in ("plain-1", "fsdp2-2"):
+        with open(os.path.join(out, f"{name}.json")) as f:
+            results[name] = json.load(f)
+    return results
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_two_ranks_train_the_nf4_base_as_one_process(qlora, scenario):
+    reference, ours = qlora["plain-1"][scenario], qlora["fsdp2-2"][scenario]
+    assert "error" not in ours, ours.get("traceback")
+    keep = ("losses", "weights", "resumed")
+    found = differences({k: v for k, v in reference.items() if k in keep}, {k: v for k, v in ours.items() if k in keep})
+    assert not found, "\n".join(found[:10])
+
+
+def test_every_projection_is_nf4_and_checkpoints_hold_the_adapter_only(qlora):
+    ours = qlora["fsdp2-2"]
+    assert len(ours["bnb_config"]["nf4"]) == 14 == len(qlora["plain-1"]["bnb_config"]["nf4"])  # 7 per layer
+    assert all("base_layer.weight" in name for name in ours["bnb_config"]["nf4"])
+    assert ours["switch"]["nf4"] == ours["bnb_config"]["nf4"]
+    files = ours["resume"]["files"]
+    assert "adapter_model.safetensors" in files and "optimizer_0" in files and "pytorch_model_fsdp_0" not in files
+    assert ours["resume"]["resumed"][2:] == ours["resume"]["losses"][2:]
+
+
+@pytest.mark.parametrize("shape", [(256, 256), (512, 256), (64, 16384)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_shard_quantized_from_its_rows_is_bit_equal_to_chunking_the_whole_quantized_tensor(shape, dtype):
+    """Each rank's NF4 from its rows and the whole tensor's mean block absmax equals to_nf4(whole) chunked."""
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import get_block_absmax, to_nf4
+
+    from hf_fsdp2.nf4 import BLOCK, nf4_from_rows
+
+    torch.manual_seed(0)
+    weight = torch.randn(shape, dtype=dtype)
+    weight[0, 0] = 30.0  # an outlier block
+    whole = to_nf4(weight)
+    mean = get_block_absmax(weight.flatten(), BLOCK).mean()
+    for rank, rows in enumerate(weight.chunk(2)):
+        shard = nf4_from_rows(rows, mean)
+        for inner in ("quantized_data", "quantized_scalers", "quantization_factor"):
+            mine, theirs = getattr(shard, inner), getattr(whole, inner)
+            size = mine.numel()
+            assert torch.equal(mine, theirs[rank * size : (rank + 1) * size]), inner
+        assert torch.equal(shard.get_original_weight(), whole.get_original_weight().chunk(2)[rank])
+
+
+def test_which_weights_stay_dense_and_why():
+    from torch import nn
+
+    from hf_fsdp2.nf4 import why_not_nf4
+
+    frozen = nn.Parameter(torch.empty(256, 256, device="meta"), requires_grad=False)
+    assert why_not_nf4("model.layers.0.self_attn.q_proj.weight", frozen, 2) is None
+    assert why_not_nf4("lm_head.weight", frozen, 2) == "embedding, head or norm"
+    assert "do not split over 3 ranks" in why_not_nf4("x.q_proj.weight", frozen, 3)
+    small = nn.Parameter(torch.empty(128, 128, device="meta"), requires_grad=False)
+    assert "not a whole number of 16384-value blocks" in why_not_nf4("x.q_proj.weight", small, 2)
+    assert why_not_nf4("x.q_proj.weight", nn.Parameter(torch.empty(256, 256, device="meta")), 2) == "trainable"
+
+
+def test_other_quantization_configs_are_refused_by_name():
+    from transformers import BitsAndBytesConfig
+
+    from hf_fsdp2.skeleton import four_bit_quantization
+
+    kwargs = {"quantization_config": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")}
+    assert four_bit_quantization(kwargs) == "nf4" and "quantization_config" not in kwargs
+    for config, named in (
+        (BitsAndBytesConfig(load_in_8bit=True), "8-bit"),
+        (BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="fp4"), "4-bit fp4"),
+    ):
+        with pytest.raises(ValueError, match=f"asks for {named} quantization"):
+            four_bit_quantization({"quantization_config": config})
+    compute = {"quantization_config": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                         bnb_4bit_compute_dtype=torch.bfloat16)}  # fmt: skip
+    four_bit_quantization(compute)
+    assert compute["dtype"] == "bfloat16"  # the base is read, and dequantized, in the compute dtype
+
+
+def test_a_model_bitsandbytes_quantized_is_refused_naming_the_path_route(tiny):
+    from transformers import AutoModelForCausalLM
+
+    from hf_fsdp2 import FSDP2Config, prepare_model
+
+    model = AutoModelForCausalLM.from_pretrained(tiny("llama"))
+    model.is_loaded_in_4bit = True  # what from_pretrained(..., quantization_config=BitsAndBytesConfig(...)) sets
+    with pytest.raises(ValueError, match="was quantized by bitsandbytes .* Pass the path instead"):
+        prepare_model(model, FSDP2Config())

@@ -1,0 +1,107 @@
+"""QLoRA scripts as people write them, with the one-line switch: a 4-bit NF4 base and LoRA.
+
+Usage: qlora_worker.py {plain,fsdp2} OUT MODEL [SCENARIO ...]. `plain` is the reference: one process, plain
+`Trainer`, the same NF4 quantization done by hand on the whole weights (torchao's `to_nf4`), no FSDP. Rank 0
+writes OUT/{mode}-{world}.json: scenario -> losses, LoRA weights, which base weights are NF4.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig, Trainer, TrainingArguments
+
+from tests.workers.scenarios import PARITY_ADAM_EPSILON, full_weights, losses, run_scenarios
+from tests.workers.train_worker import make_dataset
+
+MODE, OUT, MODEL = sys.argv[1:4]
+WORLD = int(os.environ.get("WORLD_SIZE", "1"))
+RUN_DIR = os.path.join(OUT, f"{MODE}-{WORLD}")
+LORA = dict(
+    r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+)
+BNB = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True)
+
+
+def args(name: str, **overrides: Any) -> TrainingArguments:
+    values: dict[str, Any] = dict(
+        output_dir=os.path.join(RUN_DIR, name), per_device_train_batch_size=4 // WORLD, max_steps=4,
+        learning_rate=1e-2, adam_epsilon=PARITY_ADAM_EPSILON, lr_scheduler_type="constant", logging_steps=1,
+        save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, seed=3,
+    )  # fmt: skip
+    values.update(overrides)
+    return TrainingArguments(**values)
+
+
+def qlora_model(route: str = "bnb") -> torch.nn.Module:
+    """The QLoRA model: by hand in one process (the reference), or as a user writes it for FSDP2Trainer."""
+    torch.manual_seed(0)  # LoRA's initial values, the same in every run
+    if MODE == "plain":
+        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+
+        model = get_peft_model(AutoModelForCausalLM.from_pretrained(MODEL), LoraConfig(**LORA))
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear) and name.endswith("base_layer"):
+                module.weight = torch.nn.Parameter(to_nf4(module.weight.detach()), requires_grad=False)
+        return model
+    from hf_fsdp2 import from_pretrained
+
+    base = from_pretrained(MODEL, quantization_config=BNB) if route == "bnb" else from_pretrained(MODEL)
+    return get_peft_model(base, LoraConfig(**LORA))
+
+
+def nf4_weights(model: torch.nn.Module) -> list[str]:
+    return sorted(
+        n for n, p in model.named_parameters() if type(getattr(p, "_local_tensor", p)).__name__ == "NF4Tensor"
+    )
+
+
+def trainer(name: str, model: torch.nn.Module, **overrides: Any) -> Trainer:
+    if MODE == "plain":
+        return Trainer(model=model, args=args(name, **overrides), train_dataset=make_dataset(32, 96))
+    from hf_fsdp2 import FSDP2Config, FSDP2Trainer
+
+    config = FSDP2Config(base_quantization="nf4" if name == "switch" else None, consolidate_on_train_end=False)
+    return FSDP2Trainer(
+        model=model, args=args(name, **overrides), train_dataset=make_dataset(32, 96), fsdp2_config=config
+    )
+
+
+def train(name: str, route: str = "bnb") -> dict[str, Any]:
+    """Four steps of QLoRA: losses, gathered LoRA weights, the NF4 base weights."""
+    run = trainer(name, qlora_model(route))
+    run.train()
+    return {
+        "losses": losses(run),
+        "weights": full_weights(run.model, trainable_only=True),
+        "nf4": nf4_weights(run.model),
+    }
+
+
+def resume() -> dict[str, Any]:
+    """Adapter-only checkpoints: a fresh run resumed from checkpoint-2 re-quantizes the base and goes on exactly."""
+    first = trainer("resume", qlora_model(), save_strategy="steps", save_steps=2)
+    first.train()
+    again = trainer("resume", qlora_model(), save_strategy="no")
+    again.train(resume_from_checkpoint=os.path.join(RUN_DIR, "resume", "checkpoint-2"))
+    files = sorted(os.listdir(os.path.join(RUN_DIR, "resume", "checkpoint-2")))
+    return {
+        "losses": losses(first),
+        "resumed": losses(again),
+        "files": files,
+        "weights": full_weights(again.model, trainable_only=True),
+    }
+
+
+SCENARIOS = {
+    "bnb_config": lambda: train("bnb_config"),
+    "switch": lambda: train("switch", route="switch"),
+    "resume": resume,
+}
+
+if __name__ == "__main__":
+    run_scenarios(SCENARIOS, sys.argv[4:], f"{RUN_DIR}.json")
