@@ -25,6 +25,7 @@ from .checkpoint import MODEL_KEY, load_in_place, model_dir, read_metadata, vali
 from .distributed import is_rank0, warn_rank0
 from .facts import facts_of
 from .loading import copy_full_into
+from .nf4 import is_nf4
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -65,8 +66,9 @@ def check_trainable_are_saved(model: nn.Module) -> None:
 
 
 def full_copy(tensor: torch.Tensor) -> torch.Tensor:
-    """A full copy of a possibly sharded tensor (collective for DTensors)."""
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach().clone()
+    """A full copy of a possibly sharded tensor (collective for DTensors); an NF4 base weight dequantized."""
+    full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach().clone()
+    return full.get_original_weight() if is_nf4(full) else full
 
 
 def save_adapter(model: nn.Module, directory: str) -> int:

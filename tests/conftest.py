@@ -17,6 +17,10 @@ os.environ.setdefault(
     os.path.join(tempfile.gettempdir(), f"hf_fsdp2_inductor_{os.environ.get('ATEN_CPU_CAPABILITY', 'native')}"),
 )
 
+# torchao (the 'qlora' extra) loads CUDA kernels when transformers or peft import it and prints a failure for each
+# on a machine without CUDA; NF4 needs none of them (hf_fsdp2 sets the same when it is imported first).
+os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
+
 from tests.tiny_models import save_tiny
 
 

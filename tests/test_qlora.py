@@ -15,7 +15,7 @@ from tests.test_dropin import differences
 
 pytest.importorskip("torchao", reason="the 'qlora' extra")
 
-SCENARIOS = ("bnb_config", "switch", "resume")
+SCENARIOS = ("bnb_config", "switch", "resume", "merged", "sft")
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +43,7 @@ def qlora(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
 def test_two_ranks_train_the_nf4_base_as_one_process(qlora, scenario):
     reference, ours = qlora["plain-1"][scenario], qlora["fsdp2-2"][scenario]
     assert "error" not in ours, ours.get("traceback")
-    keep = ("losses", "weights", "resumed")
+    keep = ("losses", "weights", "resumed", "exported")
     found = differences({k: v for k, v in reference.items() if k in keep}, {k: v for k, v in ours.items() if k in keep})
     assert not found, "\n".join(found[:10])
 

@@ -15,15 +15,14 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig, Trainer, TrainingArguments
 
-from tests.workers.scenarios import PARITY_ADAM_EPSILON, full_weights, losses, run_scenarios
+from tests.workers.scenarios import PARITY_ADAM_EPSILON, full_weights, losses, run_scenarios, saved_tensors
 from tests.workers.train_worker import make_dataset
 
 MODE, OUT, MODEL = sys.argv[1:4]
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
 RUN_DIR = os.path.join(OUT, f"{MODE}-{WORLD}")
-LORA = dict(
-    r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-)
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LORA = dict(r=4, lora_alpha=8, target_modules=TARGETS)
 BNB = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True)
 
 
@@ -97,7 +96,73 @@ def resume() -> dict[str, Any]:
     }
 
 
+def merged() -> dict[str, Any]:
+    """merge_adapters_on_save: the dequantized base plus the merged adapter, against dequantize-then-merge by hand."""
+    if MODE == "plain":
+        run = trainer("merged", qlora_model())
+        run.train()
+        for module in run.model.modules():
+            weight = module.weight if isinstance(module, torch.nn.Linear) else None
+            if type(weight).__name__ == "NF4Tensor":
+                module.weight = torch.nn.Parameter(weight.get_original_weight(), requires_grad=False)
+        state = run.model.merge_and_unload().state_dict()
+        return {"exported": {k: v.float().flatten().tolist() for k, v in state.items()}}
+    from hf_fsdp2 import FSDP2Config, FSDP2Trainer
+
+    config = FSDP2Config(merge_adapters_on_save=True, consolidate_on_train_end=False)
+    run = FSDP2Trainer(
+        model=qlora_model(), args=args("merged"), train_dataset=make_dataset(32, 96), fsdp2_config=config
+    )
+    run.train()
+    export = os.path.join(RUN_DIR, "merged_export")
+    run.save_model(export)
+    return {"exported": saved_tensors(export) if int(os.environ.get("RANK", "0")) == 0 else {}}
+
+
+def sft() -> dict[str, Any]:
+    """TRL's SFTTrainer with peft_config and SFTConfig(model_init_kwargs={"quantization_config": ...}), the usual
+    QLoRA script; the reference quantizes the same weights by hand before SFTTrainer adds the adapters."""
+    from trl import SFTConfig, SFTTrainer
+
+    from tests.tiny_models import tiny_tokenizer
+    from tests.workers.trl_worker import sft_data
+
+    lora = LoraConfig(**LORA, lora_dropout=0.0, task_type="CAUSAL_LM")
+    config = SFTConfig(
+        output_dir=os.path.join(RUN_DIR, "sft"), per_device_train_batch_size=4 // WORLD, max_steps=4,
+        learning_rate=1e-2, adam_epsilon=PARITY_ADAM_EPSILON, lr_scheduler_type="constant", logging_steps=1,
+        save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, seed=3, bf16=False,
+        gradient_checkpointing=False, max_length=32,
+        model_init_kwargs={"quantization_config": BNB} if MODE == "fsdp2" else None,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    if MODE == "plain":
+        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+
+        model: Any = AutoModelForCausalLM.from_pretrained(MODEL)
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear) and name.rpartition(".")[2] in TARGETS:
+                module.weight = torch.nn.Parameter(to_nf4(module.weight.detach()), requires_grad=False)
+        run: Any = SFTTrainer(
+            model, args=config, train_dataset=sft_data(), processing_class=tiny_tokenizer(), peft_config=lora
+        )
+    else:
+        from hf_fsdp2.trl import FSDP2SFTTrainer
+
+        run = FSDP2SFTTrainer(
+            MODEL, args=config, train_dataset=sft_data(), processing_class=tiny_tokenizer(), peft_config=lora
+        )
+    run.train()
+    return {
+        "losses": losses(run),
+        "weights": full_weights(run.model, trainable_only=True),
+        "nf4": nf4_weights(run.model),
+    }
+
+
 SCENARIOS = {
+    "sft": sft,
+    "merged": merged,
     "bnb_config": lambda: train("bnb_config"),
     "switch": lambda: train("switch", route="switch"),
     "resume": resume,
