@@ -89,7 +89,8 @@ def nf4_from_rows(rows: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
     absmax = nf4.get_block_absmax(scalers, SCALER_BLOCK).unsqueeze(-1).expand(n_scaler_blocks, SCALER_BLOCK)
     factor = 256 / (2 * absmax)  # as torchao computes it, to the bit
     quantized_scalers = (scalers.view(n_scaler_blocks, SCALER_BLOCK) * factor).round().clamp(-128, 127)
-    levels = nf4.NF4Tensor.from_tensor(torch.zeros(BLOCK * SCALER_BLOCK, dtype=rows.dtype), BLOCK, SCALER_BLOCK).nf4
+    zeros = torch.zeros(BLOCK * SCALER_BLOCK, dtype=rows.dtype, device=rows.device)
+    levels = nf4.NF4Tensor.from_tensor(zeros, BLOCK, SCALER_BLOCK).nf4  # torchao's 16 NF4 levels
     n_blocks = flat.numel() // BLOCK
     meta = nf4.SubclassTensorArgs(rows.size(), rows.stride(), 0, rows.dtype, rows.device, False)
     return nf4.NF4Tensor(
