@@ -17,38 +17,27 @@ from transformers import (
 )
 
 VOCAB = 96
+# The decoder shape every tiny causal LM here shares (GQA: 4 query heads, 2 key/value heads).
+TEXT_SHAPE = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    pad_token_id=0,
+)
 
 
 def llama(tied: bool = False, layers: int = 2) -> PreTrainedModel:
     """A Llama with GQA and RoPE; `tied` shares embedding and head."""
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=tied,
-        pad_token_id=0,
-    )
-    return LlamaForCausalLM(config)
+    return LlamaForCausalLM(LlamaConfig(**{**TEXT_SHAPE, "num_hidden_layers": layers}, tie_word_embeddings=tied))
 
 
 def qwen2() -> PreTrainedModel:
     """A Qwen2 (attention biases, untied)."""
-    config = Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        pad_token_id=0,
-    )
-    return Qwen2ForCausalLM(config)
+    return Qwen2ForCausalLM(Qwen2Config(**TEXT_SHAPE, tie_word_embeddings=False))
 
 
 def gpt2() -> PreTrainedModel:
@@ -74,11 +63,7 @@ def moe(family: str) -> PreTrainedModel:
     """A mixture-of-experts LM (4 experts, top-2) whose loss includes the router's auxiliary loss."""
     from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    shape = dict(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, num_experts_per_tok=2, output_router_logits=True,
-        router_aux_loss_coef=0.1, pad_token_id=0,
-    )  # fmt: skip
+    shape = dict(**TEXT_SHAPE, num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.1)
     if family == "qwen3_moe":
         return Qwen3MoeForCausalLM(Qwen3MoeConfig(**shape, num_experts=4, moe_intermediate_size=16, head_dim=8))
     return MixtralForCausalLM(MixtralConfig(**shape, num_local_experts=4))

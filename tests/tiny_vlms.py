@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from tests.tiny_models import VOCAB
+from tests.tiny_models import TEXT_SHAPE, VOCAB
 
 ROW_LENGTH = 16
 IMAGE_TOKEN = VOCAB - 1
@@ -83,18 +83,7 @@ def _llava() -> PreTrainedModel:
     return LlavaForConditionalGeneration(config)
 
 
-_TEXT = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
+_TEXT = dict(**TEXT_SHAPE, bos_token_id=1, eos_token_id=2)
 # A vision tower of 2 layers on 8x8 images cut into 2x2 patches.
 _VISION = dict(
     hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, image_size=8, patch_size=2
