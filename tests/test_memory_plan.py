@@ -240,10 +240,11 @@ def test_planned_load_and_training_peaks_match_a_real_two_rank_run(tmp_path):
         assert 0.85 <= predicted[phase] / worst <= 1.15, (phase, predicted[phase], worst)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
 def test_moe_models_are_planned_whole_with_their_experts_traced(tmp_path, capsys, family):
-    """Their experts run torch's grouped_mm, whose fake kernel refuses float32 (the trace once failed there)."""
-    from transformers import MixtralConfig, Qwen3MoeConfig
+    """Their experts run torch's grouped_mm, whose fake kernel refuses float32 (the trace once failed there);
+    gpt-oss's experts are fused gate/up projections with biases."""
+    from transformers import GptOssConfig, MixtralConfig, Qwen3MoeConfig
 
     shape = dict(
         vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -251,8 +252,10 @@ def test_moe_models_are_planned_whole_with_their_experts_traced(tmp_path, capsys
     )  # fmt: skip
     if family == "qwen3_moe":
         config = Qwen3MoeConfig(**shape, moe_intermediate_size=16, num_experts=8)
-    else:
+    elif family == "mixtral":
         config = MixtralConfig(**shape, num_local_experts=8)
+    else:
+        config = GptOssConfig(**{**shape, "intermediate_size": 32}, head_dim=8, num_local_experts=8, sliding_window=16)
     config.save_pretrained(tmp_path / family)
     result = plan(str(tmp_path / family), nproc=2, batch=2, seq=32, device_memory=2**40)
     assert result.not_traced is None
