@@ -30,7 +30,8 @@ This is the only module that knows Trainer/Accelerate internals. Every private h
 - `create_optimizer`: reshard first, because a forward under no_grad (evaluate) leaves the root gathered
   and an optimizer built then holds the wrong tensors (tests/test_trainer.py evaluate-then-train).
 - `model_accepts_loss_kwargs`: cleared when the model's loss ignores `num_items_in_batch`, else
-  Trainer multiplies such losses by the world size (tests/test_parity.py classification).
+  Trainer multiplies such losses by the world size (tests/test_parity.py classification); set when a model marked
+  `accepts_loss_kwargs = False` still hands **kwargs to its `loss_function` (tests/test_vlm.py qwen2_5_vl).
 - `_save_checkpoint`: every save is a sharded DCP save under a staging name, renamed when complete
   (tests/test_checkpoint.py). It reuses `_save_rng_state`, `store_flos` and `_get_output_dir`.
 - `_load_from_checkpoint`, `_load_optimizer_and_scheduler`, `_load_best_model`: DCP loads, any world
@@ -116,6 +117,17 @@ class FSDP2Mixin:
         self.is_distributed_loading_by_transformers = True
         if not _loss_uses_num_items(self.model):
             self.model_accepts_loss_kwargs = False
+        elif not self.model_accepts_loss_kwargs and _passes_num_items_to_loss(self.model):
+            # NOTE: transformers marks many VLMs `accepts_loss_kwargs = False` (a gradient-accumulation workaround,
+            # transformers#37208), so Trainer averages per-rank mean losses: N ranks then train on another loss than
+            # one process whenever their token counts differ. Their forward hands **kwargs to `loss_function`, so
+            # the global token count normalizes exactly (tests/test_vlm.py qwen2_5_vl).
+            self.model_accepts_loss_kwargs = True
+            log_rank0(
+                "%s passes num_items_in_batch to its loss: losses are normalized by the global token count, as in "
+                "one process.",
+                type(self.model).__name__,
+            )
         if self.optimizer is not None:
             repoint_optimizer(self.optimizer, self._original_names, self.model)
             guard_optimizer(self.model, _unwrap_optimizer(self.optimizer))
@@ -548,6 +560,17 @@ def _loss_uses_num_items(model: nn.Module) -> bool:
     except (TypeError, ValueError):
         return True
     return "num_items_in_batch" in parameters
+
+
+def _passes_num_items_to_loss(model: nn.Module) -> bool:
+    """True when the model's forward calls `self.loss_function(..., **kwargs)`, which receives num_items_in_batch."""
+    model = model.get_base_model() if facts_of(model).is_peft else model
+    try:
+        forward = inspect.getsource(type(model).forward)
+    except (OSError, TypeError):
+        return False
+    call = forward.partition("self.loss_function(")[2].partition(")")[0]
+    return "**kwargs" in call
 
 
 def _base_model_bytes(model: nn.Module) -> int:

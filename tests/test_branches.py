@@ -18,6 +18,7 @@ from tests.tiny_vlms import FAMILIES
 EXPECTED = {
     "llava": (["model.vision_tower", "model.multi_modal_projector"], "model.language_model"),
     "qwen2_vl": (["model.visual"], "model.language_model"),
+    "qwen2_5_vl": (["model.visual"], "model.language_model"),
     "gemma3": (["model.vision_tower", "model.multi_modal_projector"], "model.language_model"),
     "smolvlm": (["model.vision_model", "model.connector"], "model.text_model"),
 }

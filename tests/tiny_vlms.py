@@ -120,6 +120,23 @@ def _qwen2_vl() -> PreTrainedModel:
     return Qwen2VLForConditionalGeneration(config)
 
 
+def _qwen2_5_vl() -> PreTrainedModel:
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    config = Qwen2_5_VLConfig(
+        text_config=dict(**_TEXT, rope_scaling={"type": "mrope", "mrope_section": [2, 1, 1]}),
+        vision_config=dict(
+            depth=2, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=2,
+            spatial_merge_size=2, temporal_patch_size=2, in_channels=3, window_size=8, fullatt_block_indexes=[1],
+        ),
+        image_token_id=IMAGE_TOKEN,
+        vision_start_token_id=IMAGE_START,
+        vision_end_token_id=IMAGE_END,
+        video_token_id=VOCAB - 4,
+    )  # fmt: skip
+    return Qwen2_5_VLForConditionalGeneration(config)
+
+
 def _gemma3() -> PreTrainedModel:
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
@@ -155,6 +172,18 @@ FAMILIES: dict[str, VlmFamily] = {
         name="qwen2_vl",
         build=_qwen2_vl,
         # 16 patches of 3 x 2 (frames) x 2 x 2 values, merged 2 x 2 into 4 tokens
+        image_inputs=lambda g: {
+            "pixel_values": torch.randn(16, 24, generator=g),
+            "image_grid_thw": torch.tensor([[1, 4, 4]]),
+        },
+        placeholder=[IMAGE_START, *[IMAGE_TOKEN] * 4, IMAGE_END],
+        lm_lora_targets=r".*language_model.*\.(q_proj|v_proj)",
+        type_ids="mm_token_type_ids",
+    ),
+    # transformers marks it accepts_loss_kwargs=False: the family that shows FSDP2Trainer normalizing by tokens anyway.
+    "qwen2_5_vl": VlmFamily(
+        name="qwen2_5_vl",
+        build=_qwen2_5_vl,
         image_inputs=lambda g: {
             "pixel_values": torch.randn(16, 24, generator=g),
             "image_grid_thw": torch.tensor([[1, 4, 4]]),
