@@ -160,6 +160,22 @@ def _smolvlm() -> PreTrainedModel:
     return SmolVLMForConditionalGeneration(config)
 
 
+def _qwen_family(name: str, build: Callable[[], PreTrainedModel]) -> VlmFamily:
+    """Qwen2-VL and Qwen2.5-VL take one image as 16 patches of 3 x 2 (frames) x 2 x 2 values, merged 2 x 2 into 4
+    tokens between start/end markers, and a per-token type column for their 3-D positions."""
+    return VlmFamily(
+        name=name,
+        build=build,
+        image_inputs=lambda g: {
+            "pixel_values": torch.randn(16, 24, generator=g),
+            "image_grid_thw": torch.tensor([[1, 4, 4]]),
+        },
+        placeholder=[IMAGE_START, *[IMAGE_TOKEN] * 4, IMAGE_END],
+        lm_lora_targets=r".*language_model.*\.(q_proj|v_proj)",
+        type_ids="mm_token_type_ids",
+    )
+
+
 FAMILIES: dict[str, VlmFamily] = {
     "llava": VlmFamily(
         name="llava",
@@ -168,30 +184,9 @@ FAMILIES: dict[str, VlmFamily] = {
         placeholder=[IMAGE_TOKEN] * 4,  # (8 / 4)^2 patches, the CLS token dropped ("default" strategy)
         lm_lora_targets=r".*language_model.*\.(q_proj|v_proj)",
     ),
-    "qwen2_vl": VlmFamily(
-        name="qwen2_vl",
-        build=_qwen2_vl,
-        # 16 patches of 3 x 2 (frames) x 2 x 2 values, merged 2 x 2 into 4 tokens
-        image_inputs=lambda g: {
-            "pixel_values": torch.randn(16, 24, generator=g),
-            "image_grid_thw": torch.tensor([[1, 4, 4]]),
-        },
-        placeholder=[IMAGE_START, *[IMAGE_TOKEN] * 4, IMAGE_END],
-        lm_lora_targets=r".*language_model.*\.(q_proj|v_proj)",
-        type_ids="mm_token_type_ids",
-    ),
+    "qwen2_vl": _qwen_family("qwen2_vl", _qwen2_vl),
     # transformers marks it accepts_loss_kwargs=False: the family that shows FSDP2Trainer normalizing by tokens anyway.
-    "qwen2_5_vl": VlmFamily(
-        name="qwen2_5_vl",
-        build=_qwen2_5_vl,
-        image_inputs=lambda g: {
-            "pixel_values": torch.randn(16, 24, generator=g),
-            "image_grid_thw": torch.tensor([[1, 4, 4]]),
-        },
-        placeholder=[IMAGE_START, *[IMAGE_TOKEN] * 4, IMAGE_END],
-        lm_lora_targets=r".*language_model.*\.(q_proj|v_proj)",
-        type_ids="mm_token_type_ids",
-    ),
+    "qwen2_5_vl": _qwen_family("qwen2_5_vl", _qwen2_5_vl),
     "gemma3": VlmFamily(
         name="gemma3",
         build=_gemma3,
