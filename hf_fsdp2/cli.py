@@ -48,6 +48,7 @@ def _add_plan_parser(commands: Any) -> None:
     plan.add_argument("--hsdp", type=int, default=1, help="HSDP replicas (hsdp_replicate_size)")
     plan.add_argument("--bf16", action="store_true", help="bf16 compute with fp32 master weights")
     plan.add_argument("--lora", default=None, metavar="r=16,targets=q_proj,v_proj", help="train a LoRA adapter")
+    plan.add_argument("--qlora", action="store_true", help="with --lora: a 4-bit NF4 base (QLoRA)")
     plan.add_argument("--batch", type=int, default=1, help="per-device batch size")
     plan.add_argument("--seq", type=int, default=512, help="tokens per sequence")
     plan.add_argument("--activation-checkpointing", action="store_true")
@@ -96,7 +97,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     r, targets = parse_lora(args.lora) if args.lora else (None, DEFAULT_LORA_TARGETS)
     result = plan(
         args.model, nproc=args.nproc, hsdp=args.hsdp, bf16=args.bf16, lora_r=r,
-        lora_targets=targets or DEFAULT_LORA_TARGETS, batch=args.batch, seq=args.seq,
+        lora_targets=targets or DEFAULT_LORA_TARGETS, batch=args.batch, seq=args.seq, qlora=args.qlora,
         activation_checkpointing=args.activation_checkpointing, cpu_offload=args.cpu_offload, optim=args.optim,
         device_memory=parse_size(args.device_memory) if args.device_memory else None, cpu=args.cpu,
     )  # fmt: skip

@@ -64,6 +64,8 @@ class PlanRequest:
     # so equal configs plan alike and the cached traces never mix two different models.
     config: Any = field(default=None, compare=False, repr=False)
     config_key: str = ""
+    # QLoRA: the frozen base's eligible linear weights are 4-bit NF4 (FSDP2Config(base_quantization="nf4")).
+    qlora: bool = False
 
     @property
     def on_cpu(self) -> bool:
@@ -129,6 +131,9 @@ class ModelSizes:
     # Set when transformers must convert the checkpoint's keys (fused MoE experts, renamed VLM modules): loading
     # then builds the whole model on rank 0 and sends it out (see `loading.choose_route`); its bytes as loaded.
     rank0_load_bytes: int = 0
+    # QLoRA: NF4 elements in the largest unit, and the largest NF4 weight (dequantized whole in each F.linear).
+    largest_unit_nf4_numel: int = 0
+    largest_nf4_numel: int = 0
 
 
 def plan(
@@ -145,6 +150,7 @@ def plan(
     optim: str = "adamw_torch_fused",
     device_memory: int | None = None,
     cpu: bool | None = None,
+    qlora: bool = False,
 ) -> MemoryPlan:
     """Plan a run of `model` (a folder, a config.json, or the model object itself: a PreTrainedModel, a meta
     skeleton or a PeftModel, whose LoRA rank and targets are used unless `lora_r` is given): per-rank bytes
@@ -155,9 +161,11 @@ def plan(
             `cpu_offload` on a machine without accelerators (the trainer refuses it there).
     """
     targets = lora_targets if isinstance(lora_targets, str) else tuple(lora_targets)
+    if qlora and lora_r is None and not isinstance(model, nn.Module):
+        raise ValueError("qlora=True trains LoRA adapters on a 4-bit base: give lora_r (CLI: --lora r=16,...).")
     request = PlanRequest(
         "", nproc, hsdp, bf16, lora_r, targets, batch, seq, activation_checkpointing,
-        cpu_offload, optim, device_memory, cpu,
+        cpu_offload, optim, device_memory, cpu, qlora=qlora,
     )  # fmt: skip
     if isinstance(model, nn.Module):
         request = _request_for_object(request, model)
@@ -229,13 +237,16 @@ def load_config(model: str) -> Any:
 def model_sizes(request: PlanRequest) -> ModelSizes:
     """Count parameters by role on a meta skeleton of the request's config (with its LoRA adapters)."""
     config = request.config if request.config is not None else load_config(request.model)
-    return skeleton_sizes(config, _lora_config(request) if request.lora_r else None, request.bf16)
+    shards = request.nproc // request.hsdp if request.qlora else None
+    return skeleton_sizes(config, _lora_config(request) if request.lora_r else None, request.bf16, shards)
 
 
-def skeleton_sizes(config: Any, lora: Any, bf16: bool) -> ModelSizes:
-    """Count parameters by role on a meta skeleton of `config`, wrapped with the peft `lora` config if given."""
+def skeleton_sizes(config: Any, lora: Any, bf16: bool, nf4_shards: int | None = None) -> ModelSizes:
+    """Count parameters by role on a meta skeleton of `config`, wrapped with the peft `lora` config if given;
+    with `nf4_shards`, the weights that are NF4 at that shard count are counted in NF4 bytes (QLoRA)."""
     from .config import FSDP2Config
     from .loading import needs_conversion
+    from .nf4 import nf4_candidates
     from .sharding import block_classes, select_units
 
     dtype = config.dtype if isinstance(config.dtype, torch.dtype) else torch.float32
@@ -248,10 +259,13 @@ def skeleton_sizes(config: Any, lora: Any, bf16: bool) -> ModelSizes:
     units = select_units(model, FSDP2Config())
     converted = needs_conversion(model) is not None
     in_units = {id(p) for unit in units for p in unit.parameters()}
-    stored = {id(p): _stored_bytes(p, bf16) for p in model.parameters()}
+    stored: dict[int, float] = {id(p): _stored_bytes(p, bf16) for p in model.parameters()}
+    nf4_names = nf4_candidates(model, nf4_shards)[0] if nf4_shards else []
+    nf4 = {id(model.get_parameter(n)): model.get_parameter(n) for n in nf4_names}
+    stored.update(dict.fromkeys(nf4, NF4_BYTES_PER_ELEMENT))
     trainable = [p for p in model.parameters() if p.requires_grad]
     return ModelSizes(
-        params_bytes=sum(p.numel() * stored[id(p)] for p in model.parameters()),
+        params_bytes=int(sum(p.numel() * stored[id(p)] for p in model.parameters())),
         trainable_numel=sum(p.numel() for p in trainable),
         trainable_bytes=sum(p.numel() * stored[id(p)] for p in trainable),
         buffers_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
@@ -266,6 +280,8 @@ def skeleton_sizes(config: Any, lora: Any, bf16: bool) -> ModelSizes:
         config=config,
         load_dtype=dtype,
         rank0_load_bytes=sum(p.numel() * p.element_size() for p in model.parameters()) if converted else 0,
+        largest_unit_nf4_numel=max((sum(p.numel() for p in u.parameters() if id(p) in nf4) for u in units), default=0),
+        largest_nf4_numel=max((p.numel() for p in nf4.values()), default=0),
     )
 
 
@@ -338,6 +354,10 @@ def _lora_config(request: PlanRequest) -> Any:
     )
 
 
+# NF4: 4-bit codes, an int8 scaler per 64 values, a float32 factor per 64 x 256 values (torchao's double quantization).
+NF4_BYTES_PER_ELEMENT = 0.5 + 1 / 64 + 4 / (64 * 256)
+
+
 def _stored_bytes(param: torch.Tensor, bf16: bool) -> int:
     """Bytes per element of a parameter's shard: trainable low-precision ones become fp32 masters under bf16."""
     if bf16 and param.requires_grad and param.dtype != torch.float32:
@@ -364,7 +384,10 @@ def phases_for(request: PlanRequest, sizes: ModelSizes, activations: int) -> lis
     optimizer = OPTIMIZER_STATES[request.optim] * sizes.trainable_bytes // shard
     step_temp = _STEP_TEMPORARIES[request.optim] * grads
     # NOTE: even on one rank FSDP2 all-gathers into separate unsharded parameters.
-    gathered = (sizes.root_numel + 2 * sizes.largest_unit_numel) * compute
+    # QLoRA: NF4 weights are gathered in 4 bits and dequantized one weight at a time inside F.linear.
+    dense_unit = sizes.largest_unit_numel - sizes.largest_unit_nf4_numel
+    gathered = (sizes.root_numel + 2 * dense_unit) * compute + sizes.largest_nf4_numel * compute
+    gathered += int(2 * sizes.largest_unit_nf4_numel * NF4_BYTES_PER_ELEMENT)
     unit_grads = sizes.largest_unit_trainable_numel * (compute + reduce)
     resident = {"sharded parameters": params, "optimizer state": optimizer, "buffers": sizes.buffers_bytes}
     if request.cpu_offload:
@@ -376,6 +399,8 @@ def phases_for(request: PlanRequest, sizes: ModelSizes, activations: int) -> lis
     # Slices are read straight into the shards (no read buffer: measured); the tensors no checkpoint holds (a
     # LoRA adapter) are drawn full on every rank, and held twice while peft's replay is alive.
     load = {"sharded parameters": params, "buffers": sizes.buffers_bytes, "new tensors, full": 2 * sizes.new_bytes}
+    if sizes.largest_nf4_numel:  # each NF4 weight's rows are read dense, then quantized, one weight at a time
+        load["one weight's rows before NF4"] = sizes.largest_nf4_numel * sizes.load_dtype.itemsize // shard
     if sizes.rank0_load_bytes:
         # Rank 0's from_pretrained holds the built model and the checkpoint pages it read (measured: 1.96x the
         # model for a Qwen3-MoE); the model stays while the shards are filled from it.

@@ -284,3 +284,22 @@ def test_a_model_the_trace_cannot_run_is_planned_without_activations_and_says_so
     printed = capsys.readouterr().out
     assert status == 3 and "Activations could not be traced" in printed and "Traceback" not in printed
     hf_fsdp2.memory_plan._activations_of.cache_clear()
+
+
+def test_qlora_counts_the_nf4_base_in_four_bits(tmp_path):
+    """Every projection of this Llama quantizes at 2 ranks: its sharded base shrinks to about 0.52 bytes per element."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(
+        vocab_size=96, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64,
+    ).save_pretrained(tmp_path / "llama")  # fmt: skip
+    args = dict(nproc=2, lora_r=8, batch=1, seq=32, device_memory=2**40, cpu=True)
+    dense = next(p for p in plan(str(tmp_path / "llama"), **args).phases if p.name == "load")
+    nf4 = next(p for p in plan(str(tmp_path / "llama"), qlora=True, **args).phases if p.name == "load")
+    projections = 2 * (2 * 256 * 256 + 2 * 128 * 256 + 3 * 512 * 256)  # q, o; k, v (2 kv heads); gate, up, down
+    saved = dense.parts["sharded parameters"] - nf4.parts["sharded parameters"]
+    assert saved == pytest.approx(projections / 2 * (4 - 0.5 - 1 / 64 - 4 / 16384), rel=1e-3)
+    assert nf4.parts["one weight's rows before NF4"] == 512 * 256 * 4 // 2
+    with pytest.raises(ValueError, match="give lora_r"):
+        plan(str(tmp_path / "llama"), nproc=2, qlora=True, device_memory=2**40, cpu=True)
