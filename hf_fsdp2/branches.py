@@ -13,7 +13,6 @@ those two promises; it knows nothing about the Trainer.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 
 import torch
@@ -22,7 +21,6 @@ from torch import nn
 
 from .distributed import get_device
 
-logger = logging.getLogger(__name__)
 GUARD_ATTR = "_hf_fsdp2_branch_guard"
 
 
