@@ -75,10 +75,9 @@ def prepare_model(
             "accelerator (parameters already live in host memory); remove cpu_offload."
         )
     _refuse_bitsandbytes(model)
-    describe(model, facts)
+    facts = describe(model, facts)
     mesh = build_mesh(config.hsdp_replicate_size)
-    source = facts_of(model).source
-    if config.base_quantization == "nf4" or (source is not None and source.quantization == "nf4"):
+    if config.base_quantization == "nf4" or (facts.source is not None and facts.source.quantization == "nf4"):
         quantize_base(model, mesh.size(mesh.ndim - 1))
     units = select_units(model, config)
 
@@ -88,7 +87,7 @@ def prepare_model(
 
     model = load_pretrained(model, shard, offload=config.cpu_offload)
     reduce_scalar_gradients(model)
-    attach_branch_guard(model, branch_names(model, config.branch_modules), facts_of(model).branches[1])
+    attach_branch_guard(model, branch_names(model, config.branch_modules), facts.branches[1])
     attach_collective_methods(model)
     setattr(model, SHARDING_ATTR, wanted)
     log_rank0(

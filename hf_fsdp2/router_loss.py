@@ -23,7 +23,9 @@ logger = logging.getLogger(__name__)
 # A model's own aux loss and our local recomputation must agree this well, or the model computes it otherwise
 # and is left alone.
 _AGREEMENT = 1e-5
-_warned: set[str] = set()
+# Per model class, whether its aux loss is the formula recomputed here: checked at its first step only (the check
+# reads two values back to the host, a device sync a step would otherwise pay).
+_same_formula_of: dict[str, bool] = {}
 
 
 def router_config(model: nn.Module) -> tuple[int, int, float] | None:
@@ -75,6 +77,23 @@ def global_router_loss(
     return share, local
 
 
+def _same_formula(model: nn.Module, local: torch.Tensor, aux: torch.Tensor) -> bool:
+    """True when the model's own aux loss equals this rank's recomputation (warned once when it does not)."""
+    name = type(model).__name__
+    if name not in _same_formula_of:
+        same = abs(float(local) - float(aux)) <= _AGREEMENT * max(1.0, abs(float(aux)))
+        _same_formula_of[name] = same
+        if not same:
+            logger.warning(
+                "%s's router loss (%.6f) is not the Switch-style load-balancing loss recomputed here (%.6f); it is "
+                "left per rank, as plain Trainer has it.",
+                name,
+                float(aux),
+                float(local),
+            )
+    return _same_formula_of[name]
+
+
 def correct_router_loss(
     loss: torch.Tensor, outputs: Any, model: nn.Module, inputs: dict[str, Any], loss_scale: float
 ) -> torch.Tensor:
@@ -90,17 +109,7 @@ def correct_router_loss(
         return loss
     experts, top_k, coefficient = router
     share, local = global_router_loss(logits, experts, top_k, inputs.get("attention_mask"))
-    if abs(float(local) - float(aux)) > _AGREEMENT * max(1.0, abs(float(aux))):
-        if type(model).__name__ in _warned:
-            return loss
-        _warned.add(type(model).__name__)
-        logger.warning(
-            "%s's router loss (%.6f) is not the Switch-style load-balancing loss recomputed here (%.6f); it is left "
-            "per rank, as plain Trainer has it.",
-            type(model).__name__,
-            float(aux),
-            float(local),
-        )
+    if not _same_formula(model, local, aux):
         return loss
     world = dist.get_world_size() if dist.is_initialized() else 1
     return loss - loss_scale * coefficient * aux.to(loss.device) + world * coefficient * share.to(loss.device)

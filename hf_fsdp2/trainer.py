@@ -546,10 +546,7 @@ def _loss_uses_num_items(model: nn.Module) -> bool:
     classification, a plain nn.Module) would then train on a loss (and gradients) N times too large.
     """
     model = model.get_base_model() if facts_of(model).is_peft else model
-    try:
-        forward = inspect.getsource(type(model).forward)
-    except (OSError, TypeError):  # no source (built at run time): keep Trainer's own rule
-        forward = None
+    forward = _forward_source(model)  # None (built at run time): keep Trainer's own rule
     if forward is not None and "loss_function" not in forward and "num_items_in_batch" not in forward:
         return False
     loss_function = getattr(model, "loss_function", None)
@@ -564,13 +561,17 @@ def _loss_uses_num_items(model: nn.Module) -> bool:
 
 def _passes_num_items_to_loss(model: nn.Module) -> bool:
     """True when the model's forward calls `self.loss_function(..., **kwargs)`, which receives num_items_in_batch."""
-    model = model.get_base_model() if facts_of(model).is_peft else model
-    try:
-        forward = inspect.getsource(type(model).forward)
-    except (OSError, TypeError):
-        return False
+    forward = _forward_source(model.get_base_model() if facts_of(model).is_peft else model) or ""
     call = forward.partition("self.loss_function(")[2].partition(")")[0]
     return "**kwargs" in call
+
+
+def _forward_source(model: nn.Module) -> str | None:
+    """The source of the model class's forward, or None when it has none (a class built at run time)."""
+    try:
+        return inspect.getsource(type(model).forward)
+    except (OSError, TypeError):
+        return None
 
 
 def _base_model_bytes(model: nn.Module) -> int:
