@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 BLOCK, SCALER_BLOCK = 64, 256  # torchao's defaults (and QLoRA's)
+NEAREST_CHUNK = 2**15  # values per nearest-level search: two 32K x 16 matrices, 4 MiB in fp32
 _SKIPPED_MODULES = ("lm_head", "embed", "wte", "wpe", "norm")
 
 
@@ -101,9 +102,21 @@ def nf4_from_rows(rows: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
         quantized_scalers.flatten().to(torch.int8),
         factor[:, 0].clone(memory_format=torch.contiguous_format),  # stride 1 even for one block (FSDP views it)
         mean,
-        nf4.NF4Tensor.convert_to_norm_float_weight(rows, n_blocks, BLOCK, levels),
+        _nf4_codes(flat, nf4.get_block_absmax(flat, BLOCK), levels),
         nf4=levels,
     )
+
+
+def _nf4_codes(flat: torch.Tensor, absmax: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
+    """The packed 4-bit codes of `flat`: torchao's nearest-level search, in chunks small enough to stay below the
+    weight's own size (torchao's 1M-value chunks build two 1M x 16 difference matrices: 128 MiB in fp32)."""
+    nf4 = _torchao_nf4()
+    scaled = (flat.view(-1, BLOCK) / absmax.unsqueeze(-1)).flatten()
+    codes = torch.empty(flat.numel(), dtype=torch.uint8, device=flat.device)
+    for start in range(0, flat.numel(), NEAREST_CHUNK):
+        end = start + NEAREST_CHUNK
+        codes[start:end] = nf4.NF4Tensor.quantize_tensor_nearest(scaled[start:end], levels).to(torch.uint8)
+    return codes[::2] << 4 | codes[1::2]
 
 
 def global_mean_absmax(rows: torch.Tensor, group: Any = None) -> torch.Tensor:
@@ -120,6 +133,15 @@ def global_mean_absmax(rows: torch.Tensor, group: Any = None) -> torch.Tensor:
     parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, local, group=group)
     return torch.cat(parts).mean()
+
+
+def stored_bytes(tensor: torch.Tensor) -> int:
+    """Bytes this rank holds for a parameter: its local shard, an NF4 weight counted by its 4-bit inner tensors."""
+    local = getattr(tensor, "_local_tensor", tensor)
+    if not is_nf4(local):
+        return local.numel() * local.element_size()
+    inner = ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean", "nf4")
+    return sum(getattr(local, name).numel() * getattr(local, name).element_size() for name in inner)
 
 
 def is_nf4(tensor: torch.Tensor) -> bool:
