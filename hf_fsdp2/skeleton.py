@@ -55,7 +55,9 @@ def four_bit_quantization(kwargs: dict[str, Any]) -> str | None:
     """Take a `quantization_config` out of from_pretrained's kwargs: "nf4" for QLoRA's 4-bit NF4, else refuse.
 
     bitsandbytes' 4-bit NF4 becomes torchao's NF4 (the same format: 64-value blocks, double-quantized scalers),
-    quantized while sharding; its compute dtype becomes the dtype the base is read and dequantized in.
+    quantized while sharding. The base is read, and its NF4 weights dequantized, in from_pretrained's `dtype`
+    when given, else in a compute dtype the user chose, else in the checkpoint's dtype (transformers' "auto"):
+    bitsandbytes' default compute dtype (float32) would otherwise double a bf16 checkpoint's dense weights.
 
     Raises:
         ValueError: for any other quantization (8-bit, fp4, other methods), naming it.
@@ -75,9 +77,9 @@ def four_bit_quantization(kwargs: dict[str, Any]) -> str | None:
             f"quantization_config asks for {what} quantization; hf_fsdp2 shards 4-bit NF4 bases only (QLoRA): "
             "BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4'), or FSDP2Config(base_quantization='nf4')."
         )
-    compute = settings.get("bnb_4bit_compute_dtype")
-    if compute is not None and "dtype" not in kwargs and "torch_dtype" not in kwargs:
-        kwargs["dtype"] = str(compute).removeprefix("torch.")
+    compute = str(settings.get("bnb_4bit_compute_dtype") or "float32").removeprefix("torch.")
+    if compute != "float32" and "dtype" not in kwargs and "torch_dtype" not in kwargs:
+        kwargs["dtype"] = compute
     return "nf4"
 
 

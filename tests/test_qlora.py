@@ -58,7 +58,7 @@ def test_every_projection_is_nf4_and_checkpoints_hold_the_adapter_only(qlora):
     assert ours["resume"]["resumed"][2:] == ours["resume"]["losses"][2:]
 
 
-@pytest.mark.parametrize("shape", [(256, 256), (512, 256), (64, 16384)])
+@pytest.mark.parametrize("shape", [(256, 256), (512, 256), (64, 16384), (2048, 1024)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_shard_quantized_from_its_rows_is_bit_equal_to_chunking_the_whole_quantized_tensor(shape, dtype):
     """Each rank's NF4 from its rows and the whole tensor's mean block absmax equals to_nf4(whole) chunked."""
@@ -110,7 +110,9 @@ def test_other_quantization_configs_are_refused_by_name():
     compute = {"quantization_config": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                                          bnb_4bit_compute_dtype=torch.bfloat16)}  # fmt: skip
     four_bit_quantization(compute)
-    assert compute["dtype"] == "bfloat16"  # the base is read, and dequantized, in the compute dtype
+    assert compute["dtype"] == "bfloat16"  # the base is read, and dequantized, in the compute dtype chosen
+    # bitsandbytes' default compute dtype (float32) leaves the checkpoint's dtype: a bf16 base is not doubled
+    assert "dtype" not in kwargs
 
 
 def test_a_model_bitsandbytes_quantized_is_refused_naming_the_path_route(tiny):
