@@ -26,7 +26,7 @@ README = os.path.join(ROOT, "README.md")
 FENCE = re.compile(r"^(?P<indent> *)```(?P<lang>\w*)\n(?P<body>.*?)^(?P=indent)```", re.M | re.S)
 MARK = re.compile(r"<!-- (?:snippet: (?P<name>[\w-]+)|not run: (?P<why>.+?)) -->\s*$")
 PYTHON_SNIPPETS = ("minimal", "classification", "mixin", "trl", "lora")
-SHELL_SNIPPETS = ("quickstart", "own_model", "lora_recipe")
+SHELL_SNIPPETS = ("quickstart", "own_model", "lora_recipe", "qlora_recipe")
 
 
 @dataclass
@@ -231,6 +231,20 @@ def test_lora_recipe_command_runs_as_written_and_its_adapter_loads_in_peft(works
         before = base(input_ids=probe).logits
         after = PeftModel.from_pretrained(base, out)(input_ids=probe).logits
     assert not torch.allclose(before, after), "the exported adapter changes the model"
+
+
+def test_qlora_recipe_command_runs_as_written_on_an_nf4_base(workspace):
+    """QLoRA on the embedded default's 'qlora' model: every projection NF4 at 2 ranks, an adapter-only export."""
+    pytest.importorskip("torchao", reason="the 'qlora' extra")
+    proc = run_shell(workspace, "qlora_recipe", shell_command("qlora_recipe"))
+    assert "NF4 base: 14 weights quantized; 1 kept dense (base_model.model.lm_head.weight" in proc.stdout + proc.stderr
+    out = os.path.join(workspace, "qlora_recipe", "out", "qlora_finetune")
+    summary = summary_of(out)
+    assert summary["after"]["eval_loss"] < 0.5 * summary["before"]["eval_loss"]
+    assert summary["after"]["exact_match"] > summary["before"]["exact_match"]
+    assert "exact_match" in summary["reloaded"]  # PeftModel.from_pretrained over the original (dense) base
+    assert {"adapter_model.safetensors", "adapter_config.json"} <= set(os.listdir(out))
+    assert "model.safetensors" not in os.listdir(out)  # adapter only: no base written
 
 
 def test_plan_example_is_what_the_planner_prints():

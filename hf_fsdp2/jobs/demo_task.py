@@ -94,12 +94,20 @@ def demo_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def demo_config() -> LlamaConfig:
+# hidden, intermediate size of each demo model. "qlora": every projection splits into whole NF4 blocks
+# (64 x 256 values) at up to 4 ranks, so a 4-bit base quantizes all of them (hf_fsdp2.nf4.why_not_nf4).
+DEMO_SIZES = {"tiny": (64, 128), "qlora": (256, 512)}
+
+
+def demo_config(size: str = "tiny") -> LlamaConfig:
     """A 2-layer Llama small enough to learn the task in minutes on a CPU."""
+    if size not in DEMO_SIZES:
+        raise ValueError(f"demo_size={size!r} is not a demo model; choose one of {', '.join(DEMO_SIZES)}.")
+    hidden, intermediate = DEMO_SIZES[size]
     return LlamaConfig(
         vocab_size=len(VOCAB),
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=4,
@@ -129,19 +137,21 @@ def write_examples(path: str, n: int, seed: int) -> str:
     return path
 
 
-def build_demo(directory: str, train_examples: int = 4000, eval_examples: int = 200, seed: int = 0) -> dict[str, str]:
+def build_demo(
+    directory: str, train_examples: int = 4000, eval_examples: int = 200, seed: int = 0, size: str = "tiny"
+) -> dict[str, str]:
     """Create (once) the demo model folder and data files under `directory`; return their paths.
 
     Rank 0 only: call it before starting ranks, or on rank 0 followed by a barrier.
     """
     paths = {
-        "model": os.path.join(directory, "model"),
+        "model": os.path.join(directory, "model" if size == "tiny" else f"model-{size}"),
         "train": os.path.join(directory, "train.jsonl"),
         "eval": os.path.join(directory, "eval.jsonl"),
     }
     if not os.path.isfile(os.path.join(paths["model"], "model.safetensors")):
         torch.manual_seed(seed)
-        LlamaForCausalLM(demo_config()).save_pretrained(paths["model"])
+        LlamaForCausalLM(demo_config(size)).save_pretrained(paths["model"])
         demo_tokenizer().save_pretrained(paths["model"])
     if not os.path.isfile(paths["train"]):
         write_examples(paths["train"], train_examples, seed=seed + 1)

@@ -40,6 +40,10 @@ class SFTArguments:
     train_file: str | None = field(default=None, metadata={"help": "JSON lines with prompt/response rows."})
     eval_file: str | None = field(default=None, metadata={"help": "JSON lines for eval loss and exact match."})
     demo_dir: str = field(default="out/demo", metadata={"help": "Where the embedded default is built."})
+    demo_size: str = field(
+        default="tiny",
+        metadata={"help": "The embedded model: 'tiny' (hidden 64) or 'qlora' (hidden 256: every projection NF4)."},
+    )
     prompt_column: str = field(default="prompt")
     response_column: str = field(default="response")
     max_length: int = field(default=512, metadata={"help": "Longest tokenized example (prompt + response)."})
@@ -88,9 +92,9 @@ def resolve_demo(args: SFTArguments) -> SFTArguments:
             raise ValueError("train_file is required with your own model (model_name_or_path != 'demo').")
         return args
     if is_rank0():
-        build_demo(args.demo_dir)
+        build_demo(args.demo_dir, size=args.demo_size)
     dist.barrier()
-    paths = build_demo(args.demo_dir)  # only returns the paths now that they exist
+    paths = build_demo(args.demo_dir, size=args.demo_size)  # only returns the paths now that they exist
     return replace(
         args,
         model_name_or_path=paths["model"],
