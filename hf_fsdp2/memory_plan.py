@@ -301,6 +301,7 @@ def log_memory_plan(model: nn.Module, args: Any, config: Any, dataset: Any) -> N
     import torch.distributed as dist
 
     from .distributed import log_rank0, warn_rank0
+    from .nf4 import is_nf4
 
     try:
         seq = len(dataset[0]["input_ids"])
@@ -309,7 +310,7 @@ def log_memory_plan(model: nn.Module, args: Any, config: Any, dataset: Any) -> N
             "", nproc=nproc, hsdp=config.hsdp_replicate_size, bf16=bool(args.bf16),
             batch=args.per_device_train_batch_size, seq=seq, cpu_offload=config.cpu_offload,
             activation_checkpointing=config.fsdp_activation_checkpointing or bool(args.gradient_checkpointing),
-            optim=str(getattr(args.optim, "value", args.optim)),
+            optim=str(getattr(args.optim, "value", args.optim)), qlora=any(is_nf4(p) for p in model.parameters()),
         )  # fmt: skip
         _validate(request)
         base, lora = _base_and_lora(model)

@@ -21,7 +21,7 @@ from .config import FSDP2Config
 from .distributed import build_mesh, check_same_on_all_ranks, get_device, init_distributed, log_rank0
 from .facts import ModelFacts, describe, facts_of
 from .loading import load_pretrained
-from .nf4 import nf4_candidates, quantize_skeleton
+from .nf4 import describe_dense, nf4_candidates, quantize_skeleton
 from .sharding import (
     mixed_precision_policy,
     reduce_scalar_gradients,
@@ -136,13 +136,13 @@ def quantize_base(model: nn.Module, shards: int) -> None:
         )
     names, dense = nf4_candidates(model, shards)
     if not names:
+        example = "; ".join(f"{name}: {why}" for name, why in list(dense.items())[:1]) or "no frozen linear weight"
         raise ValueError(
             f"base_quantization='nf4': no weight of {type(model).__name__} can be NF4 at {shards} shards "
-            f"(e.g. {next(iter(dense.items()), ('', ''))}); freeze the base (LoRA) and check the shapes."
+            f"({example}); freeze the base (LoRA) and check the shapes."
         )
     quantize_skeleton(model, names)
-    kept = sorted({reason for reason in dense.values()})
-    log_rank0("NF4 base: %d weights quantized; %d kept dense (%s).", len(names), len(dense), "; ".join(kept))
+    log_rank0("NF4 base: %d weights quantized; %d kept dense (%s).", len(names), len(dense), describe_dense(dense))
 
 
 def sharding_summary(config: FSDP2Config, policy: MixedPrecisionPolicy) -> dict[str, Any]:

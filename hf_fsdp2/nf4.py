@@ -55,7 +55,7 @@ def why_not_nf4(name: str, param: torch.Tensor, shards: int) -> str | None:
 
 
 def nf4_candidates(model: nn.Module, shards: int) -> tuple[list[str], dict[str, str]]:
-    """The frozen linear weights that become NF4 at this shard count, and the others with why they stay dense."""
+    """The frozen linear weights that become NF4 at this shard count, and the other frozen ones with why not."""
     chosen, dense = [], {}
     for module_name, module in model.named_modules():
         if not isinstance(module, nn.Linear):
@@ -64,9 +64,18 @@ def nf4_candidates(model: nn.Module, shards: int) -> tuple[list[str], dict[str, 
         reason = why_not_nf4(name, module.weight, shards)
         if reason is None:
             chosen.append(name)
-        else:
+        elif reason != "trainable":  # adapters and trained layers are no part of the frozen base
             dense[name] = reason
     return chosen, dense
+
+
+def describe_dense(dense: dict[str, str]) -> str:
+    """The weights kept dense, grouped by why, layer numbers folded into '*' (one short log line per model)."""
+    by_reason: dict[str, set[str]] = {}
+    for name, reason in dense.items():
+        folded = ".".join("*" if part.isdigit() else part for part in name.split("."))
+        by_reason.setdefault(reason, set()).add(folded)
+    return "; ".join(f"{', '.join(sorted(names))}: {reason}" for reason, names in sorted(by_reason.items()))
 
 
 def quantize_skeleton(model: nn.Module, names: list[str]) -> None:

@@ -65,6 +65,7 @@ from transformers import Trainer, TrainingArguments
 from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME, TRAINING_ARGS_NAME
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints, set_seed
+from transformers.utils import logging as transformers_logging
 
 from .adapter_checkpoint import check_mergeable, check_trainable_are_saved, load_adapter, save_adapter
 from .adapters import is_adapter_tensor
@@ -106,6 +107,10 @@ class FSDP2Mixin:
         model, args = bound.arguments.get("model"), bound.arguments.get("args")
         _validate_args(model, bound.arguments)
         init_distributed()
+        if args is not None:
+            # NOTE: Trainer applies `log_level` only after building its Accelerator, i.e. after sharding; set it
+            # first so the sharding's info lines (NF4 weights kept dense, what carried from Accelerate) show.
+            transformers_logging.set_verbosity(args.get_process_log_level())
         self.fsdp2_config = resolve_config(fsdp2_config, args)
         if isinstance(model, (str, os.PathLike)):
             bound.arguments["model"] = self._skeleton(model, args)

@@ -303,3 +303,24 @@ def test_qlora_counts_the_nf4_base_in_four_bits(tmp_path):
     assert nf4.parts["one weight's rows before NF4"] == 512 * 256 * 4 // 2
     with pytest.raises(ValueError, match="give lora_r"):
         plan(str(tmp_path / "llama"), nproc=2, qlora=True, device_memory=2**40, cpu=True)
+
+
+def test_trainer_start_plans_a_qlora_model_with_its_nf4_base(tiny, monkeypatch):
+    """A model holding NF4 weights is planned as QLoRA (its base counted in 4 bits), not as a dense LoRA."""
+    pytest.importorskip("torchao")
+    from datasets import Dataset
+    from peft import LoraConfig, get_peft_model
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+    from transformers import AutoModelForCausalLM, TrainingArguments
+
+    from hf_fsdp2 import FSDP2Config
+    from hf_fsdp2 import memory_plan as planner
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny("llama")), LoraConfig(target_modules=["q_proj"]))
+    layer = model.get_base_model().model.layers[0].mlp.up_proj
+    layer.weight = torch.nn.Parameter(to_nf4(layer.weight.detach(), 64, 32), requires_grad=False)
+    seen = []
+    monkeypatch.setattr(planner, "training_peak_of", lambda request, *a: seen.append(request) or 0)
+    args = TrainingArguments("unused", per_device_train_batch_size=2, use_cpu=True, report_to=[])
+    planner.log_memory_plan(model, args, FSDP2Config(), Dataset.from_dict({"input_ids": [[1] * 32] * 4}))
+    assert seen and seen[0].qlora

@@ -15,7 +15,7 @@ from tests.test_dropin import differences
 
 pytest.importorskip("torchao", reason="the 'qlora' extra")
 
-SCENARIOS = ("bnb_config", "switch", "resume", "merged", "sft")
+SCENARIOS = ("bnb_config", "switch", "resume", "merged", "sft", "checkpointing", "compile")
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +92,10 @@ def test_which_weights_stay_dense_and_why():
     small = nn.Parameter(torch.empty(128, 128, device="meta"), requires_grad=False)
     assert "not a whole number of 16384-value blocks" in why_not_nf4("x.q_proj.weight", small, 2)
     assert why_not_nf4("x.q_proj.weight", nn.Parameter(torch.empty(256, 256, device="meta")), 2) == "trainable"
+    from hf_fsdp2.nf4 import describe_dense
+
+    dense = {f"model.layers.{i}.mlp.down_proj.weight": "slice" for i in range(3)} | {"lm_head.weight": "head"}
+    assert describe_dense(dense) == "lm_head.weight: head; model.layers.*.mlp.down_proj.weight: slice"
 
 
 def test_other_quantization_configs_are_refused_by_name():
@@ -124,3 +128,16 @@ def test_a_model_bitsandbytes_quantized_is_refused_naming_the_path_route(tiny):
     model.is_loaded_in_4bit = True  # what from_pretrained(..., quantization_config=BitsAndBytesConfig(...)) sets
     with pytest.raises(ValueError, match="was quantized by bitsandbytes .* Pass the path instead"):
         prepare_model(model, FSDP2Config())
+
+
+def test_a_base_left_trainable_or_too_small_for_nf4_is_refused_naming_why(tiny):
+    from peft import LoraConfig, get_peft_model
+
+    from hf_fsdp2 import from_pretrained
+    from hf_fsdp2.model import quantize_base
+
+    with pytest.raises(ValueError, match=r"\(no frozen linear weight\); freeze the base"):
+        quantize_base(from_pretrained(tiny("llama")), 2)  # full fine-tuning: nothing frozen to quantize
+    lora = get_peft_model(from_pretrained(tiny("llama")), LoraConfig(target_modules=["q_proj"]))
+    with pytest.raises(ValueError, match="not a whole number of 16384-value blocks"):  # hidden 64: too small
+        quantize_base(lora, 2)

@@ -59,12 +59,20 @@ def nf4_weights(model: torch.nn.Module) -> list[str]:
     )
 
 
+# FSDP2Config options QLoRA runs with (the reference, one process without FSDP, is the same for each).
+OPTIONS: dict[str, dict[str, Any]] = {
+    "switch": dict(base_quantization="nf4"),
+    "checkpointing": dict(fsdp_activation_checkpointing=True),
+    "compile": dict(compile=True),
+}
+
+
 def trainer(name: str, model: torch.nn.Module, **overrides: Any) -> Trainer:
     if MODE == "plain":
         return Trainer(model=model, args=args(name, **overrides), train_dataset=make_dataset(32, 96))
     from hf_fsdp2 import FSDP2Config, FSDP2Trainer
 
-    config = FSDP2Config(base_quantization="nf4" if name == "switch" else None, consolidate_on_train_end=False)
+    config = FSDP2Config(**OPTIONS.get(name, {}), consolidate_on_train_end=False)
     return FSDP2Trainer(
         model=model, args=args(name, **overrides), train_dataset=make_dataset(32, 96), fsdp2_config=config
     )
@@ -166,6 +174,8 @@ SCENARIOS = {
     "bnb_config": lambda: train("bnb_config"),
     "switch": lambda: train("switch", route="switch"),
     "resume": resume,
+    "checkpointing": lambda: train("checkpointing"),
+    "compile": lambda: train("compile"),
 }
 
 if __name__ == "__main__":
