@@ -4,7 +4,10 @@
                       loading) — forced onto FSDP2 on machines without accelerators, where Accelerate
                       silently falls back to DDP;
   transformers_fsdp2  from_pretrained(..., distributed_config=DistributedConfig(...)) + transformers.Trainer;
-  ddp                 plain transformers.Trainer (unsharded DDP), the reference for the loss.
+  ddp                 plain transformers.Trainer (unsharded DDP), the reference for the loss;
+and two adapter rows compared with each other (their own table):
+  hf_fsdp2_lora       LoRA r=16 on every projection, FSDP2Trainer, the base in the checkpoint's dtype;
+  hf_fsdp2_qlora      the same LoRA on a 4-bit NF4 base (BitsAndBytesConfig -> torchao NF4; the 'qlora' extra).
 
 Each run is its own torchrun process group; runs are interleaved (the order rotates every repeat) and
 repeated, and the table gives medians with (min–max) and ratios against accelerate_fsdp2.
@@ -14,7 +17,8 @@ Usage:
     python scripts/benchmark.py --nproc 8 --repeats 3 --json bench.json --png bench.png --markdown bench.md
 
 Memory is VmHWM (peak resident set) above the VmHWM measured right after imports, per rank, so each phase's
-peak is what that phase added; on CUDA also torch's peak allocated GPU memory, bf16 compute and MFU.
+peak is what that phase added; on CUDA also torch's peak allocated GPU memory, bf16 compute and MFU. Bytes
+all-gathered per step are counted at torch.distributed's all-gather calls (FSDP2's parameter gathers).
 """
 
 from __future__ import annotations
@@ -31,7 +35,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchmark_report import render_markdown, render_png, summarize  # noqa: E402
 from measure_load_memory import MIB, build_model  # noqa: E402
 
-SYSTEMS = ("hf_fsdp2", "hf_fsdp2_async", "accelerate_fsdp2", "transformers_fsdp2", "ddp")
+SYSTEMS = (
+    *("hf_fsdp2", "hf_fsdp2_async", "accelerate_fsdp2", "transformers_fsdp2", "ddp"),
+    *("hf_fsdp2_lora", "hf_fsdp2_qlora"),
+)
 # Systems whose resume is not measured: a variant differing only in how checkpoints are written, and one
 # that cannot resume at all. Only sharded checkpoints need consolidating.
 NO_RESUME = {"hf_fsdp2_async", "transformers_fsdp2"}
@@ -47,6 +54,10 @@ NOTES = {
     "refuses optimizer checkpoints for such models: saves the gathered model only (save_only_model=True), "
     "so it has no resume and its checkpoints need no consolidation.",
     "ddp": "plain Trainer: every rank holds the whole model; rank 0 writes full checkpoints (nothing to consolidate).",
+    "hf_fsdp2_lora": "get_peft_model(hf_fsdp2.from_pretrained(path), LoraConfig(r=16, every projection)) + "
+    "FSDP2Trainer; adapter-only checkpoints (nothing to consolidate).",
+    "hf_fsdp2_qlora": "the same with from_pretrained(path, quantization_config=BitsAndBytesConfig(load_in_4bit=True, "
+    "bnb_4bit_quant_type='nf4')): the base's eligible linear weights are torchao NF4, sharded.",
 }
 
 

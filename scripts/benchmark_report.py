@@ -8,6 +8,9 @@ import argparse
 import statistics
 
 REFERENCE = "accelerate_fsdp2"
+# The adapter rows train something else (LoRA on a frozen base): compared with each other, LoRA the reference.
+ADAPTERS = ("hf_fsdp2_lora", "hf_fsdp2_qlora")
+ADAPTER_REFERENCE = "hf_fsdp2_lora"
 MIB = 2**20
 # Dense peak FLOP/s per GPU for the compute dtype the benchmark uses on CUDA (bf16), by device-name fragment.
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12, "L4": 121e12}
@@ -22,6 +25,8 @@ METRICS = (
     ("mfu", "MFU (bf16 dense peak)", "%", False),
     ("train_peak_mib", "training: peak host RAM, worst rank", "MiB", True),
     ("train_gpu_peak_mib", "training: peak GPU memory, worst rank", "MiB", True),
+    ("gathered_mib", "all-gathered per step, per rank", "MiB", True),
+    ("base_mib", "frozen base held per rank", "MiB", True),
     ("signal_check_ms", "preemption check (SIGTERM agreement), per step", "ms", True),
     ("save_s", "checkpoint save: loop blocked per save", "s", True),
     ("checkpoint_mib", "checkpoint on disk", "MiB", True),
@@ -47,6 +52,11 @@ def _run_figures(run: dict, args: argparse.Namespace, flops_per_token: float, pe
         "final_loss": ranks[0]["final_loss"],
         "per_rank": [{"load_peak_mib": r["load_peak_mib"], "train_peak_mib": r["train_peak_mib"]} for r in ranks],
     }
+    if any(r.get("gathered_bytes") for r in ranks):
+        figures["gathered_mib"] = max(statistics.median(r["gathered_bytes"][args.warmup :]) for r in ranks) / MIB
+    if "base_bytes" in ranks[0] and ranks[0]["base_bytes"]:
+        figures["base_mib"] = max(r["base_bytes"] for r in ranks) / MIB
+        figures["memory"] = {key: max(r[key] for r in ranks) for key in _MEMORY_KEYS if key in ranks[0]}
     if ranks[0].get("signal_check_s"):
         figures["signal_check_ms"] = 1000 * max(statistics.median(r["signal_check_s"]) for r in ranks)
     if ranks[0].get("resume_s"):
@@ -57,10 +67,15 @@ def _run_figures(run: dict, args: argparse.Namespace, flops_per_token: float, pe
         figures["train_gpu_peak_mib"] = max(r["train_gpu_peak_mib"] for r in ranks)
         if peak_flops:
             figures["mfu"] = 100 * flops_per_token * figures["tokens_per_s"] / (peak_flops * args.nproc)
+    if ranks[0].get("runtime_peak_mib") is not None:  # the load peak less the runtime's (process group, torchao)
+        figures["load_above_runtime_mib"] = max(r["load_peak_mib"] - r["runtime_peak_mib"] for r in ranks)
     if "consolidate" in run:
         figures["consolidate_s"] = run["consolidate"]["seconds"]
         figures["consolidate_peak_mib"] = run["consolidate"]["peak_mib"]
     return figures
+
+
+_MEMORY_KEYS = ("param_bytes", "base_bytes", "base_numel", "nf4_bytes", "nf4_numel", "largest_slice_bytes")
 
 
 def flops_per_token(args: argparse.Namespace) -> float:
@@ -96,6 +111,11 @@ def summarize(runs: dict[str, list[dict]], args: argparse.Namespace, model_bytes
         systems[system]["final_loss"] = [f["final_loss"] for f in per_run]
         systems[system]["loss_after_resume"] = [f.get("loss_after_resume") for f in per_run]
         systems[system]["per_rank"] = [f["per_rank"] for f in per_run]
+        if "memory" in per_run[0]:
+            systems[system]["memory"] = per_run[0]["memory"]  # the same every run: what the model holds
+            systems[system]["load_above_runtime_mib"] = _spread(
+                [f["load_above_runtime_mib"] for f in per_run if "load_above_runtime_mib" in f] or [0.0]
+            )
     summary = {
         "model_bytes": model_bytes,
         "nproc": args.nproc,
@@ -110,14 +130,18 @@ def summarize(runs: dict[str, list[dict]], args: argparse.Namespace, model_bytes
     }
     # Ratios are against Trainer + Accelerate's FSDP2 when it ran, else against the first system.
     summary["reference"] = REFERENCE if REFERENCE in systems else next(iter(systems))
-    summary["loss_agreement"] = _loss_agreement(systems)
+    dense = {s: v for s, v in systems.items() if s not in ADAPTERS}
+    adapters = {s: v for s, v in systems.items() if s in ADAPTERS}
+    summary["loss_agreement"] = _loss_agreement(dense or systems)
+    if adapters:
+        summary["adapter_loss_agreement"] = _loss_agreement(adapters, ADAPTER_REFERENCE)
     summary["targets"] = _targets(systems, model_bytes)
     return summary
 
 
-def _loss_agreement(systems: dict[str, dict]) -> dict:
-    """Largest difference of any run's final loss from the DDP reference (or the first system)."""
-    reference = "ddp" if "ddp" in systems else next(iter(systems))
+def _loss_agreement(systems: dict[str, dict], preferred: str = "ddp") -> dict:
+    """Largest difference of any run's final loss from the reference (DDP; else the first system)."""
+    reference = preferred if preferred in systems else next(iter(systems))
     ref = statistics.median(systems[reference]["final_loss"])
     return {
         "reference": reference,
@@ -167,9 +191,28 @@ def _targets(systems: dict[str, dict], model_bytes: int) -> list[dict]:
             1.0,
         ),
     ]
+    if "hf_fsdp2_qlora" in systems:
+        rows += _qlora_targets(systems)
     return [
         {"target": name, "measured": value, "limit": limit, "met": None if value is None else value <= limit}
         for name, value, limit in rows
+    ]
+
+
+def _qlora_targets(systems: dict[str, dict]) -> list[tuple[str, float | None, float]]:
+    """Issue 22's QLoRA targets: NF4 bytes against bf16, and the load peak against what a rank must hold."""
+    qlora = systems.get("hf_fsdp2_qlora", {})
+    memory = qlora.get("memory", {})
+    nf4_ratio = memory["nf4_bytes"] / (2 * memory["nf4_numel"]) if memory.get("nf4_numel") else None
+    needed = memory.get("param_bytes", 0) + memory.get("largest_slice_bytes", 0)
+    load = qlora.get("load_above_runtime_mib", {}).get("median")
+    return [
+        ("QLoRA: NF4 weights per rank ≤ 0.27× the same weights in bf16", nf4_ratio, 0.27),
+        (
+            "QLoRA: load peak above the runtime's ≤ 1.1× (parameters per rank + one slice)",
+            load * MIB / needed if load is not None and needed else None,
+            1.1,
+        ),
     ]
 
 
@@ -187,18 +230,9 @@ def _ratio_text(value: float) -> str:
     return f"{value:.2f}×" if value >= 0.1 else f"{value:.4f}×"
 
 
-def render_markdown(summary: dict) -> str:
-    """The benchmark's tables: figures with ratios to the reference, per-rank memory, losses, targets."""
-    systems, reference = summary["systems"], summary["reference"]
-    names = list(systems)
-    lines = [
-        f"Model {summary['model_bytes'] / MIB:.0f} MiB, {summary['nproc']} ranks, {summary['repeats']} runs per "
-        f"system, {summary['steps']} steps of {summary['tokens_per_step']} tokens (first {summary['warmup']} "
-        f"left out of step time). Median (min–max); **ratio** to {reference}.",
-        "",
-        "| metric | " + " | ".join(names) + " |",
-        "|---|" + "---:|" * len(names),
-    ]
+def _figure_table(systems: dict[str, dict], names: list[str], reference: str) -> list[str]:
+    """One table of every metric for `names`, each cell with its ratio to `reference`."""
+    lines = ["| metric | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
     for key, label, unit, _ in METRICS:
         if not any(key in systems[s] for s in names):
             continue
@@ -207,18 +241,41 @@ def render_markdown(summary: dict) -> str:
             _cell(systems[s][key], systems[reference].get(key), digits) if key in systems[s] else "–" for s in names
         ]
         lines.append(f"| {label} ({unit}) | " + " | ".join(cells) + " |")
+    return lines
+
+
+def render_markdown(summary: dict) -> str:
+    """The benchmark's tables: figures with ratios to the reference, per-rank memory, losses, targets."""
+    systems, reference = summary["systems"], summary["reference"]
+    names = list(systems)
+    dense = [s for s in names if s not in ADAPTERS]
+    adapters = [s for s in names if s in ADAPTERS]
+    lines = [
+        f"Model {summary['model_bytes'] / MIB:.0f} MiB, {summary['nproc']} ranks, {summary['repeats']} runs per "
+        f"system, {summary['steps']} steps of {summary['tokens_per_step']} tokens (first {summary['warmup']} "
+        f"left out of step time). Median (min–max); **ratio** to {reference if dense else ADAPTER_REFERENCE}.",
+        "",
+    ]
+    if dense:
+        lines += _figure_table(systems, dense, reference)
+    if adapters:
+        ref = ADAPTER_REFERENCE if ADAPTER_REFERENCE in adapters else adapters[0]
+        lines += ["", f"Adapter training (LoRA r=16 on every projection), **ratio** to {ref}:", ""]
+        lines += _figure_table(systems, adapters, ref)
     agreement = summary["loss_agreement"]
     lines += [
         "",
-        f"Final training loss (reference {agreement['reference']}: {agreement['reference_loss']:.6f}):",
+        f"Final training loss (reference {agreement['reference']}: {agreement['reference_loss']:.6f}"
+        + (f"; adapter rows against {ADAPTER_REFERENCE}, QLoRA's base being quantized):" if adapters else "):"),
         "",
         "| system | final loss per run | largest difference from the reference | loss of the step after resume |",
         "|---|---|---:|---|",
     ]
+    differences = {**agreement["max_abs_diff"], **summary.get("adapter_loss_agreement", {}).get("max_abs_diff", {})}
     for s in names:
         losses = ", ".join(f"{x:.6f}" for x in systems[s]["final_loss"])
         resumed = ", ".join(f"{x:.6f}" for x in systems[s]["loss_after_resume"] if x is not None) or "–"
-        lines.append(f"| {s} | {losses} | {agreement['max_abs_diff'][s]:.2e} | {resumed} |")
+        lines.append(f"| {s} | {losses} | {differences[s]:.2e} | {resumed} |")
     lines += [
         "",
         "Peak host RAM per rank, median over runs (MiB; × model size):",
@@ -249,11 +306,15 @@ def render_png(summary: dict, path: str) -> None:
 
     systems, reference = summary["systems"], summary["reference"]
     panels: dict[str, dict[str, float]] = {}
-    for key, label, unit, _ in METRICS:
-        ref = systems[reference].get(key)
-        if not ref or not ref["median"]:
-            continue
-        panels[f"{label} ({unit}), ratio to {reference}"] = {
-            s: v[key]["median"] / ref["median"] for s, v in systems.items() if key in v
-        }
+    groups = [(reference, [s for s in systems if s not in ADAPTERS])]
+    if ADAPTER_REFERENCE in systems and reference != ADAPTER_REFERENCE:
+        groups.append((ADAPTER_REFERENCE, [s for s in systems if s in ADAPTERS]))
+    for ref_name, names in groups:
+        for key, label, unit, _ in METRICS:
+            ref = systems[ref_name].get(key)
+            if not ref or not ref["median"]:
+                continue
+            panels[f"{label} ({unit}), ratio to {ref_name}"] = {
+                s: systems[s][key]["median"] / ref["median"] for s in names if key in systems[s]
+            }
     bar_chart_png(panels, path, reference=1.0)

@@ -17,10 +17,24 @@ from accelerate import Accelerator
 from accelerate.state import PartialState
 from accelerate.utils import DistributedType, merge_fsdp_weights
 from datasets import Dataset
-from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig, Trainer, TrainingArguments
 from transformers.distributed import DistributedConfig
 
+import hf_fsdp2
 from hf_fsdp2 import FSDP2Config, FSDP2Trainer, consolidate
+from hf_fsdp2.nf4 import _torchao_nf4
+
+try:
+    _torchao_nf4()  # imported before the baseline like every other library (the 'qlora' extra)
+except ImportError:
+    pass
+
+ADAPTERS = ("hf_fsdp2_lora", "hf_fsdp2_qlora")  # compared with each other, not with the full fine-tuning rows
+# LoRA r=16 on every projection of the benchmark's Llama, for the adapter rows (LoRA and QLoRA).
+PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LORA = dict(r=16, lora_alpha=32, target_modules=PROJECTIONS)
+NF4 = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True)
 
 
 def random_tokens(samples: int, seq_len: int, vocab: int) -> Any:
@@ -56,6 +70,15 @@ def _hf_fsdp2(args: argparse.Namespace, data: Any, callbacks: list, resume: bool
     config = FSDP2Config(async_save=async_save, consolidate_on_train_end=False)
     targs = training_arguments(args, resume)
     return FSDP2Trainer(args.model_path, targs, fsdp2_config=config, train_dataset=data, callbacks=callbacks)
+
+
+def _hf_fsdp2_adapter(args: argparse.Namespace, data: Any, callbacks: list, resume: bool, qlora: bool) -> Trainer:
+    """LoRA on the same model, its base in the checkpoint's dtype or (QLoRA) 4-bit NF4, as a user writes it."""
+    base = hf_fsdp2.from_pretrained(args.model_path, quantization_config=NF4 if qlora else None)
+    model = get_peft_model(base, LoraConfig(**LORA))
+    config = FSDP2Config(consolidate_on_train_end=False)
+    targs = training_arguments(args, resume)
+    return FSDP2Trainer(model=model, args=targs, fsdp2_config=config, train_dataset=data, callbacks=callbacks)
 
 
 def _transformers_fsdp2(args: argparse.Namespace, data: Any, callbacks: list, resume: bool) -> Trainer:
@@ -142,6 +165,8 @@ BUILDERS: dict[str, Callable[..., Trainer]] = {
     "accelerate_fsdp2": _accelerate_fsdp2,
     "transformers_fsdp2": _transformers_fsdp2,
     "ddp": _ddp,
+    "hf_fsdp2_lora": lambda *a, **k: _hf_fsdp2_adapter(*a, **k, qlora=False),
+    "hf_fsdp2_qlora": lambda *a, **k: _hf_fsdp2_adapter(*a, **k, qlora=True),
 }
 
 

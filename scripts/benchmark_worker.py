@@ -38,9 +38,56 @@ def _reset_gpu_peak() -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
+_GATHERED = {"bytes": 0}
+
+
+def count_all_gathers() -> dict[str, int]:
+    """Count the bytes every all-gather produces on this rank (FSDP2's parameter gathers, for every system).
+
+    Wraps the torch.distributed entry points FSDP2 calls (`all_gather_into_tensor`; `all_gather_single` from
+    torch 2.13), looked up at call time: measurement only, the collectives run unchanged.
+    """
+    import torch.distributed as dist
+
+    counter = _GATHERED
+    for name in ("all_gather_into_tensor", "all_gather_single"):
+        original = getattr(dist, name, None)
+        if original is None or getattr(original, "_counted", False):
+            continue
+
+        def counted(output: Any, *args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            counter["bytes"] += output.numel() * output.element_size()
+            return _original(output, *args, **kwargs)
+
+        counted._counted = True  # type: ignore[attr-defined]
+        setattr(dist, name, counted)
+    return counter
+
+
+def parameter_bytes(model: Any) -> dict[str, int]:
+    """This rank's parameter bytes (NF4 weights by their 4-bit inner tensors), the frozen base's part, its element
+    count, and the largest local tensor (the slice a rank reads at once while loading)."""
+    from hf_fsdp2.nf4 import is_nf4, stored_bytes
+
+    params = list(model.parameters())
+    frozen = [p for p in params if not p.requires_grad]
+    local = [getattr(p, "_local_tensor", p) for p in params]
+    return {
+        "param_bytes": sum(stored_bytes(p) for p in params),
+        "base_bytes": sum(stored_bytes(p) for p in frozen),
+        "base_numel": sum(getattr(p, "_local_tensor", p).numel() for p in frozen),
+        "nf4_bytes": sum(stored_bytes(p) for p in frozen if is_nf4(p)),
+        "nf4_numel": sum(getattr(p, "_local_tensor", p).numel() for p in frozen if is_nf4(p)),
+        "largest_slice_bytes": max(t.numel() * t.element_size() for t in local if not is_nf4(t)),
+    }
+
+
 def make_probe(baseline_kib: int, start: float, record: dict[str, Any]) -> Any:
-    """A TrainerCallback that marks when training can begin (end of loading) and times every step."""
+    """A TrainerCallback that marks when training can begin (end of loading), times every step and counts the
+    bytes all-gathered in it."""
     from transformers import TrainerCallback
+
+    gathered = count_all_gathers()
 
     class Probe(TrainerCallback):
         def on_train_begin(self, args, state, control, model=None, **kwargs):  # noqa: ANN001
@@ -49,15 +96,18 @@ def make_probe(baseline_kib: int, start: float, record: dict[str, Any]) -> Any:
             _touch(model)
             record["load_peak_mib"] = (vm_kib("VmHWM") - baseline_kib) / 1024
             record["load_gpu_peak_mib"] = _gpu_peak_mib()
+            record.update(parameter_bytes(model))
             _reset_gpu_peak()
 
         def on_step_begin(self, args, state, control, **kwargs):  # noqa: ANN001
             _sync()
+            gathered["bytes"] = 0
             self._step_start = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001
             _sync()
             record["step_s"].append(time.perf_counter() - self._step_start)
+            record["gathered_bytes"].append(gathered["bytes"])
 
         def on_log(self, args, state, control, logs=None, **kwargs):  # noqa: ANN001
             if logs and "loss" in logs:
@@ -74,7 +124,8 @@ def _touch(model: Any) -> None:
 
     with torch.no_grad():
         for p in model.parameters():
-            (p.to_local() if isinstance(p, DTensor) else p).sum()
+            local = p.to_local() if isinstance(p, DTensor) else p
+            getattr(local, "quantized_data", local).sum()  # an NF4 weight: its 4-bit codes
 
 
 def _timed(record: list[float], method: Callable[..., Any]) -> Callable[..., Any]:
@@ -99,15 +150,26 @@ def folder_bytes(path: str) -> int:
 def train_worker(args: argparse.Namespace) -> None:
     """Load, train `steps` steps saving every `save_steps`, then resume from the last checkpoint."""
     import torch.distributed as dist
-    from benchmark_systems import FORCED, build_trainer, random_tokens
+    from benchmark_systems import ADAPTERS, FORCED, build_trainer, random_tokens
     from torch.distributed.tensor import DTensor
 
     from hf_fsdp2 import close_distributed
+    from hf_fsdp2.distributed import init_distributed
 
     baseline = vm_kib("VmHWM")  # after the imports every system shares (torch, transformers, accelerate)
 
     data = random_tokens(args.samples, args.seq_len, args.vocab)
     record: dict[str, Any] = {"step_s": [], "losses": [], "save_s": [], "resume_s": [], "signal_check_s": []}
+    record["gathered_bytes"] = []
+    if args.system in ADAPTERS:  # the process's own memory, apart from the model's (the QLoRA load target)
+        init_distributed()
+        dist.barrier()
+        if args.system == "hf_fsdp2_qlora":  # torchao's first NF4 use costs ~16 MiB once (lazy torch._dynamo setup)
+            import torch
+            from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+
+            to_nf4(torch.zeros(256, 256))
+        record["runtime_peak_mib"] = (vm_kib("VmHWM") - baseline) / 1024
     start = time.perf_counter()
     trainer = build_trainer(args.system, args, data, [make_probe(baseline, start, record)], resume=False)
     trainer._save_checkpoint = _timed(record["save_s"], trainer._save_checkpoint)
@@ -127,7 +189,7 @@ def train_worker(args: argparse.Namespace) -> None:
     gc.collect()
 
     if args.resume:
-        resumed: dict[str, Any] = {"step_s": [], "losses": [], "save_s": [], "resume_s": []}
+        resumed: dict[str, Any] = {"step_s": [], "losses": [], "save_s": [], "resume_s": [], "gathered_bytes": []}
         trainer = build_trainer(
             args.system, args, data, [make_probe(baseline, time.perf_counter(), resumed)], resume=True
         )

@@ -35,6 +35,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--bf16", action="store_true", help="bf16 checkpoint and compute (fp32 LoRA masters)")
     parser.add_argument("--ac", action="store_true", help="activation checkpointing (FSDP2Config)")
     parser.add_argument("--workdir", default="/tmp/hf_fsdp2_qlora")
+    parser.add_argument("--modes", default="lora,qlora", help="comma-separated: lora, qlora")
     parser.add_argument("--json", default=None)
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -82,7 +83,14 @@ def worker(args: argparse.Namespace) -> None:
     baseline = _vm_hwm()
     mode = args.worker
     path = os.path.join(args.workdir, f"llama-{args.size}")
-    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4") if mode == "qlora" else None
+    # The compute dtype is the dtype of the base's dense weights and of each dequantized NF4 weight: the
+    # checkpoint's, as LoRA's frozen base (bitsandbytes' default is float32).
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    quantization = (
+        BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
+        if mode == "qlora"
+        else None
+    )
     base = hf_fsdp2.from_pretrained(path, quantization_config=quantization)
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     model = get_peft_model(base, LoraConfig(r=16, lora_alpha=32, target_modules=targets))
@@ -104,7 +112,8 @@ def worker(args: argparse.Namespace) -> None:
 
     training = TrainingArguments(
         os.path.join(args.workdir, mode), per_device_train_batch_size=args.batch, max_steps=args.steps,
-        bf16=args.bf16, save_strategy="no", report_to=[], disable_tqdm=True, logging_steps=args.steps,
+        bf16=args.bf16, use_cpu=not torch.cuda.is_available(), save_strategy="no", report_to=[], disable_tqdm=True,
+        logging_steps=args.steps,
     )  # fmt: skip
     config = hf_fsdp2.FSDP2Config(consolidate_on_train_end=False, fsdp_activation_checkpointing=args.ac)
     data = [{"input_ids": row, "labels": row} for row in ids]  # a plain list: no `datasets` needed
@@ -135,7 +144,7 @@ def main() -> None:
     if not os.path.isfile(os.path.join(path, "config.json")):
         build(path, args.size, args.bf16)
     results = {}
-    for mode in ("lora", "qlora"):
+    for mode in args.modes.split(","):
         command = [
             sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}", __file__,
             "--worker", mode, "--size", args.size, "--batch", str(args.batch), "--seq", str(args.seq),

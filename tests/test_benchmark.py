@@ -19,7 +19,14 @@ sys.path.insert(0, SCRIPTS)
 from benchmark import SYSTEMS  # noqa: E402
 from benchmark_report import render_markdown, summarize  # noqa: E402
 
-FSDP_SYSTEMS = ("hf_fsdp2", "hf_fsdp2_async", "accelerate_fsdp2", "transformers_fsdp2")
+FSDP_SYSTEMS = (
+    "hf_fsdp2",
+    "hf_fsdp2_async",
+    "accelerate_fsdp2",
+    "transformers_fsdp2",
+    "hf_fsdp2_lora",
+    "hf_fsdp2_qlora",
+)
 
 
 def test_quick_benchmark_runs_every_system_and_they_train_the_same(tmp_path):
@@ -35,7 +42,7 @@ def test_quick_benchmark_runs_every_system_and_they_train_the_same(tmp_path):
         "--layers",
         "1",
         "--hidden",
-        "64",
+        "256",  # the QLoRA row's attention projections split into whole NF4 blocks at 2 ranks
         "--vocab",
         "128",
         "--seq-len",
@@ -75,6 +82,15 @@ def test_quick_benchmark_runs_every_system_and_they_train_the_same(tmp_path):
     markdown = (tmp_path / "bench.md").read_text()
     assert "| metric | hf_fsdp2 | hf_fsdp2_async | accelerate_fsdp2 | transformers_fsdp2 | ddp |" in markdown
     assert "blocked save time with async_save" in markdown
+    # The adapter rows: their own table against LoRA; QLoRA holds and gathers its NF4 weights in 4 bits.
+    lora, qlora = summary["systems"]["hf_fsdp2_lora"], summary["systems"]["hf_fsdp2_qlora"]
+    assert "| metric | hf_fsdp2_lora | hf_fsdp2_qlora |" in markdown
+    assert qlora["base_mib"]["median"] < 0.8 * lora["base_mib"]["median"]
+    assert 0 < qlora["gathered_mib"]["median"] < lora["gathered_mib"]["median"]
+    assert qlora["memory"]["nf4_numel"] > 0 and "nf4_numel" in lora["memory"] and lora["memory"]["nf4_numel"] == 0
+    targets = {row["target"]: row for row in summary["targets"]}
+    assert targets["QLoRA: NF4 weights per rank ≤ 0.27× the same weights in bf16"]["met"] is True
+    assert all(runs[s][0]["ranks"][0]["loss_after_resume"] for s in ("hf_fsdp2_lora", "hf_fsdp2_qlora"))
 
     rerendered = subprocess.run(
         [sys.executable, os.path.join(SCRIPTS, "benchmark.py"), "--from-json", f"{out}.json"],
