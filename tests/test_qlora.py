@@ -15,7 +15,7 @@ from tests.test_dropin import differences
 
 pytest.importorskip("torchao", reason="the 'qlora' extra")
 
-SCENARIOS = ("bnb_config", "switch", "resume", "merged", "sft", "checkpointing", "compile")
+SCENARIOS = ("bnb_config", "switch", "resume", "merged", "sft", "dpo", "checkpointing", "compile")
 
 
 @pytest.fixture(scope="module")

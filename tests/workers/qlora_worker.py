@@ -127,22 +127,24 @@ def merged() -> dict[str, Any]:
     return {"exported": saved_tensors(export) if int(os.environ.get("RANK", "0")) == 0 else {}}
 
 
-def sft() -> dict[str, Any]:
-    """TRL's SFTTrainer with peft_config and SFTConfig(model_init_kwargs={"quantization_config": ...}), the usual
-    QLoRA script; the reference quantizes the same weights by hand before SFTTrainer adds the adapters."""
-    from trl import SFTConfig, SFTTrainer
+def trl_run(kind: str) -> dict[str, Any]:
+    """TRL's SFTTrainer or DPOTrainer with peft_config and `model_init_kwargs={"quantization_config": ...}`, the
+    usual QLoRA script; the reference quantizes the same weights by hand before TRL adds the adapters (for DPO
+    the adapter-disabled policy is the reference model)."""
+    from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
 
     from tests.tiny_models import tiny_tokenizer
-    from tests.workers.trl_worker import sft_data
+    from tests.workers.trl_worker import dpo_data, sft_data
 
     lora = LoraConfig(**LORA, lora_dropout=0.0, task_type="CAUSAL_LM")
-    config = SFTConfig(
-        output_dir=os.path.join(RUN_DIR, "sft"), per_device_train_batch_size=4 // WORLD, max_steps=4,
+    config = (SFTConfig if kind == "sft" else DPOConfig)(
+        output_dir=os.path.join(RUN_DIR, kind), per_device_train_batch_size=4 // WORLD, max_steps=4,
         learning_rate=1e-2, adam_epsilon=PARITY_ADAM_EPSILON, lr_scheduler_type="constant", logging_steps=1,
         save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, seed=3, bf16=False,
         gradient_checkpointing=False, max_length=32,
         model_init_kwargs={"quantization_config": BNB} if MODE == "fsdp2" else None,
     )  # fmt: skip
+    data = sft_data() if kind == "sft" else dpo_data()
     torch.manual_seed(0)
     if MODE == "plain":
         from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
@@ -151,15 +153,12 @@ def sft() -> dict[str, Any]:
         for name, module in model.named_modules():
             if isinstance(module, torch.nn.Linear) and name.rpartition(".")[2] in TARGETS:
                 module.weight = torch.nn.Parameter(to_nf4(module.weight.detach()), requires_grad=False)
-        run: Any = SFTTrainer(
-            model, args=config, train_dataset=sft_data(), processing_class=tiny_tokenizer(), peft_config=lora
-        )
+        trainer_class: Any = SFTTrainer if kind == "sft" else DPOTrainer
     else:
-        from hf_fsdp2.trl import FSDP2SFTTrainer
+        from hf_fsdp2.trl import FSDP2DPOTrainer, FSDP2SFTTrainer
 
-        run = FSDP2SFTTrainer(
-            MODEL, args=config, train_dataset=sft_data(), processing_class=tiny_tokenizer(), peft_config=lora
-        )
+        model, trainer_class = MODEL, FSDP2SFTTrainer if kind == "sft" else FSDP2DPOTrainer
+    run = trainer_class(model, args=config, train_dataset=data, processing_class=tiny_tokenizer(), peft_config=lora)
     run.train()
     return {
         "losses": losses(run),
@@ -169,7 +168,8 @@ def sft() -> dict[str, Any]:
 
 
 SCENARIOS = {
-    "sft": sft,
+    "sft": lambda: trl_run("sft"),
+    "dpo": lambda: trl_run("dpo"),
     "merged": merged,
     "bnb_config": lambda: train("bnb_config"),
     "switch": lambda: train("switch", route="switch"),
