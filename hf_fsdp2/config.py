@@ -118,6 +118,16 @@ class FSDP2Config:
         default=False,
         metadata={"help": "torch.compile each wrapped block (after activation checkpointing, before sharding)."},
     )
+    loss_chunk_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "Causal LMs: while training, compute the LM head and cross entropy over chunks of this many "
+            "tokens, each chunk's logits recomputed in backward, so the loss holds chunk x vocabulary logits "
+            "instead of sequence x vocabulary (e.g. 4096). Same loss up to summation order. Models whose forward "
+            "changes the logits before the loss (soft-capping, scaling), label smoothing, a compute_loss_func or "
+            "a Trainer subclass with its own compute_loss train unchunked, with one log line."
+        },
+    )
     defer_gradient_sync: bool = field(
         default=False,
         metadata={
@@ -236,6 +246,8 @@ class FSDP2Config:
         self.checkpoint_on_signals = list(dict.fromkeys(_signal_name(name) for name in names))
         if not isinstance(self.signal_check_steps, int) or self.signal_check_steps < 1:
             raise ValueError(f"signal_check_steps={self.signal_check_steps!r} must be an int >= 1 (optimizer steps).")
+        if self.loss_chunk_size is not None and (not isinstance(self.loss_chunk_size, int) or self.loss_chunk_size < 1):
+            raise ValueError(f"loss_chunk_size={self.loss_chunk_size!r} must be an int >= 1 (tokens) or None (off).")
         if not isinstance(self.hsdp_replicate_size, int) or self.hsdp_replicate_size < 1:
             raise ValueError(
                 f"hsdp_replicate_size={self.hsdp_replicate_size!r} must be an int >= 1 "

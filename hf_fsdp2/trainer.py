@@ -79,6 +79,7 @@ from .checkpoint import (
     resume_optimizer,
     save_sharded,
 )
+from .chunked_loss import chunked_loss, log_unchunked, why_not_chunked
 from .config import FSDP2Config
 from .consolidate import save_pretrained_sharded, write_model_files
 from .distributed import init_distributed, is_rank0, log_rank0, warn_rank0
@@ -244,12 +245,33 @@ class FSDP2Mixin:
     def compute_loss(
         self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None
     ) -> Any:
-        """Trainer's loss; for an MoE model, its router loss over the global batch, as in one process."""
-        if router_config(self.model) is None or not (model.training and torch.is_grad_enabled()):
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        loss, outputs = super().compute_loss(model, inputs, True, num_items_in_batch)
+        """Trainer's loss (its LM head and cross entropy in chunks with `loss_chunk_size`); for an MoE model, its
+        router loss over the global batch, as in one process."""
+        training = model.training and torch.is_grad_enabled()
+        target = self._chunked_loss_target() if training and "labels" in inputs else None
+        chunks = self.fsdp2_config.loss_chunk_size
+        with chunked_loss(target, chunks) if target is not None else contextlib.nullcontext():
+            if router_config(self.model) is None or not training:
+                return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            loss, outputs = super().compute_loss(model, inputs, True, num_items_in_batch)
         loss = correct_router_loss(loss, outputs, self.model, inputs, self._loss_scale(num_items_in_batch))
         return (loss, outputs) if return_outputs else loss
+
+    def _chunked_loss_target(self) -> nn.Module | None:
+        """The causal LM whose loss is chunked (`loss_chunk_size`), or None; why not is logged once."""
+        if self.fsdp2_config.loss_chunk_size is None:
+            return None
+        if not hasattr(self, "_chunk_target"):
+            model = self.model.get_base_model() if facts_of(self.model).is_peft else self.model
+            reason = why_not_chunked(model, _forward_source(model))
+            if reason is None and self.args.label_smoothing_factor:
+                reason = "label smoothing reads the full logits"
+            if reason is None and (self.compute_loss_func is not None or _own_compute_loss(self)):
+                reason = f"{type(self).__name__} computes the loss from the logits itself"
+            if reason is not None:
+                log_unchunked(model, reason)
+            self._chunk_target = None if reason is not None else model
+        return self._chunk_target
 
     def _loss_scale(self, num_items_in_batch: Any) -> float:
         """The factor Trainer.compute_loss multiplied the model's loss by (its own condition, read back)."""
@@ -569,6 +591,13 @@ def _passes_num_items_to_loss(model: nn.Module) -> bool:
     forward = _forward_source(model.get_base_model() if facts_of(model).is_peft else model) or ""
     call = forward.partition("self.loss_function(")[2].partition(")")[0]
     return "**kwargs" in call
+
+
+def _own_compute_loss(trainer: Trainer) -> bool:
+    """True when a class between FSDP2Mixin and Trainer (TRL's, a user's) defines its own compute_loss."""
+    mro = type(trainer).__mro__
+    between = mro[mro.index(FSDP2Mixin) + 1 : mro.index(Trainer)]
+    return any("compute_loss" in vars(cls) for cls in between)
 
 
 def _forward_source(model: nn.Module) -> str | None:

@@ -48,6 +48,7 @@ VARIANTS = [
     ("--wrap", "size_based_wrap"),
     ("--ac",),
     ("--compile",),
+    ("--loss-chunk", "7"),  # LM head + cross entropy over 7-token chunks (not a divisor of the rows)
     ("--reshard", "false"),
     ("--evaluate-first",),
     ("--user-optimizer", "--load", "object"),
@@ -126,11 +127,12 @@ def test_hsdp_four_ranks_match_one_process(out_root, tiny):
 
 @pytest.mark.parametrize("flags", VARIANTS, ids=lambda f: "-".join(x.strip("-") for x in f))
 def test_variants_match_one_process(out_root, tiny, flags):
-    """Wrap policies, activation checkpointing, evaluate-before-train, a user optimizer and every load route
-    change nothing about the numbers."""
+    """Wrap policies, activation checkpointing, a chunked loss, evaluate-before-train, a user optimizer and every
+    load route change nothing about the numbers."""
     ref = train(out_root, tiny("llama_tied"), 0)
     got = train(out_root, tiny("llama_tied"), 2, *flags)
     assert_same_run(got, ref)
+    assert got[0]["loss_chunked"] == ("--loss-chunk" in flags)
 
 
 def test_bf16_trains_and_loss_falls(out_root, tiny):

@@ -76,6 +76,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reshard", default="true")
     p.add_argument("--ac", action="store_true")
     p.add_argument("--compile", action="store_true")
+    p.add_argument("--loss-chunk", type=int, default=None, help="FSDP2Config(loss_chunk_size=N)")
     p.add_argument("--offload", action="store_true")
     p.add_argument("--max-grad-norm", type=float, default=1.0)
     p.add_argument("--evaluate-first", action="store_true")
@@ -244,6 +245,7 @@ def train(argv: list[str]) -> None:
         reshard_after_forward=args.reshard,
         fsdp_activation_checkpointing=args.ac,
         compile=args.compile,
+        loss_chunk_size=args.loss_chunk,
         cpu_offload=args.offload,
         min_num_params=1000,
         async_save=args.async_save,
@@ -281,6 +283,7 @@ def train(argv: list[str]) -> None:
         for name, module in trainer.model.named_modules()
         if isinstance(module, FSDPModule) and module._get_fsdp_state()._fsdp_param_group is not None
     }
+    result["loss_chunked"] = getattr(trainer, "_chunk_target", None) is not None
     result["eval_after"] = trainer.evaluate()["eval_loss"]
     probe = torch.tensor([[5, 9, 13, 17, 21, 25, 29, 33]], device=training_args.device)
     trainer.model.eval()
