@@ -94,7 +94,8 @@ def nf4_from_rows(rows: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
     nf4 = _torchao_nf4()
     rows = rows.contiguous()
     flat = rows.flatten()
-    scalers = nf4.get_block_absmax(flat, BLOCK) - mean
+    block_absmax = nf4.get_block_absmax(flat, BLOCK)
+    scalers = block_absmax - mean
     n_scaler_blocks = scalers.numel() // SCALER_BLOCK
     absmax = nf4.get_block_absmax(scalers, SCALER_BLOCK).unsqueeze(-1).expand(n_scaler_blocks, SCALER_BLOCK)
     factor = 256 / (2 * absmax)  # as torchao computes it, to the bit
@@ -111,21 +112,24 @@ def nf4_from_rows(rows: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
         quantized_scalers.flatten().to(torch.int8),
         factor[:, 0].clone(memory_format=torch.contiguous_format),  # stride 1 even for one block (FSDP views it)
         mean,
-        _nf4_codes(flat, nf4.get_block_absmax(flat, BLOCK), levels),
+        _nf4_codes(flat, block_absmax, levels),
         nf4=levels,
     )
 
 
 def _nf4_codes(flat: torch.Tensor, absmax: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
-    """The packed 4-bit codes of `flat`: torchao's nearest-level search, in chunks small enough to stay below the
-    weight's own size (torchao's 1M-value chunks build two 1M x 16 difference matrices: 128 MiB in fp32)."""
+    """The packed 4-bit codes of `flat`: torchao's own scaling and nearest-level search, chunk by chunk, so the
+    buffers stay far below the weight's size (torchao's 1M-value chunks build two 1M x 16 difference matrices,
+    128 MiB in fp32, after scaling the whole weight at once)."""
     nf4 = _torchao_nf4()
-    scaled = (flat.view(-1, BLOCK) / absmax.unsqueeze(-1)).flatten()
-    codes = torch.empty(flat.numel(), dtype=torch.uint8, device=flat.device)
-    for start in range(0, flat.numel(), NEAREST_CHUNK):
-        end = start + NEAREST_CHUNK
-        codes[start:end] = nf4.NF4Tensor.quantize_tensor_nearest(scaled[start:end], levels).to(torch.uint8)
-    return codes[::2] << 4 | codes[1::2]
+    blocks, per_chunk = flat.view(-1, BLOCK), NEAREST_CHUNK // BLOCK
+    packed = torch.empty(flat.numel() // 2, dtype=torch.uint8, device=flat.device)
+    for first in range(0, blocks.size(0), per_chunk):
+        scaled = (blocks[first : first + per_chunk] / absmax[first : first + per_chunk].unsqueeze(-1)).flatten()
+        codes = nf4.NF4Tensor.quantize_tensor_nearest(scaled, levels).to(torch.uint8)
+        start = first * BLOCK // 2
+        packed[start : start + codes.numel() // 2] = codes[::2] << 4 | codes[1::2]  # two codes per byte, as torchao
+    return packed
 
 
 def global_mean_absmax(rows: torch.Tensor, group: Any = None) -> torch.Tensor:
