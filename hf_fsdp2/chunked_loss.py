@@ -70,8 +70,8 @@ def why_not_chunked(model: nn.Module, forward_source: str | None) -> str | None:
         return f"its output head is {type(head).__name__}, not a plain nn.Linear"
     if forward_source is None or "self.loss_function(" not in forward_source:
         return "its forward does not call self.loss_function"
-    between = forward_source.split("self.lm_head(", 1)[-1].split("self.loss_function(", 1)[0]
-    if "self.lm_head(" not in forward_source or _LOGIT_CHANGES.search(between):
+    _, head_call, after_head = forward_source.partition("self.lm_head(")
+    if not head_call or _LOGIT_CHANGES.search(after_head.partition("self.loss_function(")[0]):
         return "its forward changes the logits between the head and the loss"
     return None
 
