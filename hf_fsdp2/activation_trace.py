@@ -10,8 +10,10 @@ applied per block as sharding applies it."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
+import inspect
 import weakref
 from typing import Any
 
@@ -31,12 +33,14 @@ def traced_activation_bytes(
     seq: int,
     checkpoint_blocks: list[str] | None = None,
     lora: Any = None,
+    loss_chunk_size: int | None = None,
 ) -> int:
     """Peak bytes of activations and temporaries of one training step of `config`'s causal LM at batch × seq
     (a vision-language model: on text-only rows).
 
     `checkpoint_blocks`: class names of the blocks whose activations are recomputed in backward (None: none);
-    `lora`: a peft LoraConfig to wrap the model with first (frozen base, trainable adapters).
+    `lora`: a peft LoraConfig to wrap the model with first (frozen base, trainable adapters);
+    `loss_chunk_size`: the head and loss over chunks of this many tokens, as FSDP2Trainer runs them.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -60,7 +64,7 @@ def traced_activation_bytes(
         vocab = getattr(config, "vocab_size", None) or config.get_text_config().vocab_size
         ids = torch.randint(0, vocab, (batch, seq))
         tracker = LiveBytes([*model.parameters(), *model.buffers(), ids])
-        with tracker:
+        with tracker, _chunked(model, loss_chunk_size):
             model(input_ids=ids, labels=ids).loss.backward()
     return tracker.peak
 
@@ -114,6 +118,17 @@ def _grouped_mm(func: Any, args: Any, kwargs: Any) -> torch.Tensor:
     cast = [a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
     kwargs = {k: v for k, v in (kwargs or {}).items() if k != "out_dtype"}
     return func(*cast, **kwargs).to(dtype)
+
+
+def _chunked(model: nn.Module, chunk_size: int | None) -> contextlib.AbstractContextManager:
+    """The trainer's chunked loss around the traced step, when it would chunk this model's loss."""
+    from .chunked_loss import chunked_loss, why_not_chunked
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    forward = inspect.getsource(type(base).forward) if chunk_size else None
+    if chunk_size is None or why_not_chunked(base, forward) is not None:
+        return contextlib.nullcontext()
+    return chunked_loss(base, chunk_size)
 
 
 def _to_fake(model: nn.Module, dtype: torch.dtype) -> None:

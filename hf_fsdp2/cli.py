@@ -52,6 +52,9 @@ def _add_plan_parser(commands: Any) -> None:
     plan.add_argument("--batch", type=int, default=1, help="per-device batch size")
     plan.add_argument("--seq", type=int, default=512, help="tokens per sequence")
     plan.add_argument("--activation-checkpointing", action="store_true")
+    plan.add_argument(
+        "--loss-chunk-size", type=int, default=None, metavar="T", help="FSDP2Config(loss_chunk_size=T): chunked loss"
+    )
     plan.add_argument("--cpu-offload", action="store_true")
     plan.add_argument("--optim", default="adamw_torch_fused", help="TrainingArguments.optim (default: Trainer's)")
     plan.add_argument("--device-memory", default=None, help="memory per rank, e.g. 80GiB (default: detected)")
@@ -98,6 +101,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     result = plan(
         args.model, nproc=args.nproc, hsdp=args.hsdp, bf16=args.bf16, lora_r=r,
         lora_targets=targets or DEFAULT_LORA_TARGETS, batch=args.batch, seq=args.seq, qlora=args.qlora,
+        loss_chunk_size=args.loss_chunk_size,
         activation_checkpointing=args.activation_checkpointing, cpu_offload=args.cpu_offload, optim=args.optim,
         device_memory=parse_size(args.device_memory) if args.device_memory else None, cpu=args.cpu,
     )  # fmt: skip

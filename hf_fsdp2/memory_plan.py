@@ -66,6 +66,8 @@ class PlanRequest:
     config_key: str = ""
     # QLoRA: the frozen base's eligible linear weights are 4-bit NF4 (FSDP2Config(base_quantization="nf4")).
     qlora: bool = False
+    # FSDP2Config(loss_chunk_size): the LM head and loss over chunks of this many tokens (None: full logits).
+    loss_chunk_size: int | None = None
 
     @property
     def on_cpu(self) -> bool:
@@ -151,6 +153,7 @@ def plan(
     device_memory: int | None = None,
     cpu: bool | None = None,
     qlora: bool = False,
+    loss_chunk_size: int | None = None,
 ) -> MemoryPlan:
     """Plan a run of `model` (a folder, a config.json, or the model object itself: a PreTrainedModel, a meta
     skeleton or a PeftModel, whose LoRA rank and targets are used unless `lora_r` is given): per-rank bytes
@@ -165,7 +168,7 @@ def plan(
         raise ValueError("qlora=True trains LoRA adapters on a 4-bit base: give lora_r (CLI: --lora r=16,...).")
     request = PlanRequest(
         "", nproc, hsdp, bf16, lora_r, targets, batch, seq, activation_checkpointing,
-        cpu_offload, optim, device_memory, cpu, qlora=qlora,
+        cpu_offload, optim, device_memory, cpu, qlora=qlora, loss_chunk_size=loss_chunk_size,
     )  # fmt: skip
     if isinstance(model, nn.Module):
         request = _request_for_object(request, model)
@@ -311,6 +314,7 @@ def log_memory_plan(model: nn.Module, args: Any, config: Any, dataset: Any) -> N
             batch=args.per_device_train_batch_size, seq=seq, cpu_offload=config.cpu_offload,
             activation_checkpointing=config.fsdp_activation_checkpointing or bool(args.gradient_checkpointing),
             optim=str(getattr(args.optim, "value", args.optim)), qlora=any(is_nf4(p) for p in model.parameters()),
+            loss_chunk_size=config.loss_chunk_size,
         )  # fmt: skip
         _validate(request)
         base, lora = _base_and_lora(model)
@@ -372,7 +376,9 @@ def _activations(request: PlanRequest, sizes: ModelSizes, lora: Any) -> int:
 
     compute = torch.bfloat16 if request.bf16 else sizes.load_dtype
     blocks = sizes.block_classes if request.activation_checkpointing else None
-    return traced_activation_bytes(sizes.config, compute, request.batch, request.seq, blocks, lora)
+    return traced_activation_bytes(
+        sizes.config, compute, request.batch, request.seq, blocks, lora, request.loss_chunk_size
+    )
 
 
 def phases_for(request: PlanRequest, sizes: ModelSizes, activations: int) -> list[Phase]:
@@ -479,7 +485,8 @@ def format_plan(result: MemoryPlan) -> str:
         f"{'bf16' if r.bf16 else 'checkpoint dtype'}, {f'LoRA r={r.lora_r}' if r.lora_r else 'full fine-tuning'}, "
         f"batch {r.batch} × seq {r.seq} per device, "
         f"activation checkpointing {'on' if r.activation_checkpointing else 'off'}"
-        f"{', CPU offload' if r.cpu_offload else ''}, {r.optim}.",
+        f"{', CPU offload' if r.cpu_offload else ''}"
+        f"{f', loss in chunks of {r.loss_chunk_size} tokens' if r.loss_chunk_size else ''}, {r.optim}.",
         "",
         "| phase (per rank) | peak | made of |",
         "|---|---:|---|",

@@ -324,3 +324,20 @@ def test_trainer_start_plans_a_qlora_model_with_its_nf4_base(tiny, monkeypatch):
     args = TrainingArguments("unused", per_device_train_batch_size=2, use_cpu=True, report_to=[])
     planner.log_memory_plan(model, args, FSDP2Config(), Dataset.from_dict({"input_ids": [[1] * 32] * 4}))
     assert seen and seen[0].qlora
+
+
+def test_a_chunked_loss_is_planned_with_chunk_sized_logits(tmp_path):
+    """Long rows, a large vocabulary: the traced step holds the logits of one chunk, not of the whole row."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(
+        vocab_size=8000, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+        max_position_embeddings=1024,
+    ).save_pretrained(tmp_path / "llama")  # fmt: skip
+    args = dict(nproc=1, batch=1, seq=1024, device_memory=2**40, cpu=True)
+    full = next(p for p in plan(str(tmp_path / "llama"), **args).phases if p.name == "training")
+    chunked = next(p for p in plan(str(tmp_path / "llama"), loss_chunk_size=128, **args).phases if p.name == "training")
+    logits = 1024 * 8000 * 4  # one row's fp32 logits
+    saved = full.parts["activations"] - chunked.parts["activations"]
+    assert 1.5 * logits < saved < 3.5 * logits  # the logits, their log-softmax and gradient: now 1/8 of that
+    assert main(["plan", str(tmp_path / "llama"), "--seq", "1024", "--loss-chunk-size", "128", "--cpu"]) == 0
