@@ -34,8 +34,9 @@ def qlora(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     LlamaForCausalLM(config).save_pretrained(out / "model")
     for mode, nproc in (("plain", 0), ("fsdp2", 2)):
         run("qlora_worker.py", nproc, mode, str(out), str(out / "model"), *SCENARIOS, timeout=600)
+    run("qlora_worker.py", 0, "fsdp2", str(out), str(out / "model"), "resume_elsewhere", timeout=600)
     results = {}
-    for name in ("plain-1", "fsdp2-2"):
+    for name in ("plain-1", "fsdp2-2", "fsdp2-1"):
         with open(os.path.join(out, f"{name}.json")) as f:
             results[name] = json.load(f)
     return results
@@ -58,6 +59,16 @@ def test_every_projection_is_nf4_and_checkpoints_hold_the_adapter_only(qlora):
     files = ours["resume"]["files"]
     assert "adapter_model.safetensors" in files and "optimizer_0" in files and "pytorch_model_fsdp_0" not in files
     assert ours["resume"]["resumed"][2:] == ours["resume"]["losses"][2:]
+
+
+def test_an_adapter_checkpoint_resumes_at_another_world_size(qlora):
+    """checkpoint-2 of the 2-rank run, resumed by one process: the base re-quantized there, the same losses."""
+    elsewhere = qlora["fsdp2-1"]["resume_elsewhere"]
+    assert "error" not in elsewhere, elsewhere.get("traceback")
+    two_ranks = qlora["fsdp2-2"]["resume"]["losses"]
+    assert len(elsewhere["resumed"]) == 4  # steps 1-2 from the checkpoint's trainer state, 3-4 trained here
+    for a, b in zip(elsewhere["resumed"][2:], two_ranks[2:], strict=True):
+        assert abs(a - b) <= 1e-5, (elsewhere["resumed"], two_ranks)
 
 
 @pytest.mark.parametrize("shape", [(256, 256), (512, 256), (64, 16384), (2048, 1024)])

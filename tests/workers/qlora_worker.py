@@ -104,6 +104,13 @@ def resume() -> dict[str, Any]:
     }
 
 
+def resume_elsewhere() -> dict[str, Any]:
+    """The 2-rank run's adapter checkpoint-2 resumed at this world size: the base is re-quantized here."""
+    again = trainer("resume_elsewhere", qlora_model(), save_strategy="no")
+    again.train(resume_from_checkpoint=os.path.join(OUT, "fsdp2-2", "resume", "checkpoint-2"))
+    return {"resumed": losses(again)}
+
+
 def merged() -> dict[str, Any]:
     """merge_adapters_on_save: the dequantized base plus the merged adapter, against dequantize-then-merge by hand."""
     if MODE == "plain":
@@ -174,6 +181,7 @@ SCENARIOS = {
     "bnb_config": lambda: train("bnb_config"),
     "switch": lambda: train("switch", route="switch"),
     "resume": resume,
+    "resume_elsewhere": resume_elsewhere,
     "checkpointing": lambda: train("checkpointing"),
     "compile": lambda: train("compile"),
 }
