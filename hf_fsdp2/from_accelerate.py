@@ -39,6 +39,7 @@ _WRAP_POLICIES = {
     "size_based_auto_wrap_policy": "size_based_wrap",
 }
 _STASH = "_hf_fsdp2_accelerate_fsdp"  # the carried settings, kept on TrainingArguments once read
+_PARALLELISM_STASH = "_hf_fsdp2_parallelism_config"
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(FSDP2Config) if f.default is not dataclasses.MISSING}
 
 
@@ -50,7 +51,7 @@ def resolve_config(config: FSDP2Config | None, args: Any) -> FSDP2Config:
     Raises:
         ValueError: for a setting that cannot carry over (FSDP1, its options, XLA, fp16), naming it and the fix.
     """
-    config = config if config is not None else FSDP2Config()
+    config = _carry_parallelism(config if config is not None else FSDP2Config(), args)
     found = _read_settings(args)
     if found is None:
         return _carry_mixed_precision(config, args)
@@ -75,6 +76,48 @@ def resolve_config(config: FSDP2Config | None, args: Any) -> FSDP2Config:
         args.__dict__[_STASH] = found
         args.fsdp, args.fsdp_plugin_args = [], None
     return _carry_mixed_precision(config, args)
+
+
+def _carry_parallelism(config: FSDP2Config, args: Any) -> FSDP2Config:
+    """`TrainingArguments(parallelism_config=ParallelismConfig(...))`: data-parallel replicas become HSDP replicas;
+    tensor, context and sequence parallelism are refused by name (hf_fsdp2 shards parameters only).
+
+    Raises:
+        ValueError: for tp_size, cp_size or sp_size above 1, or dp sizes that disagree with the config or the world.
+    """
+    if args is None:
+        return config
+    parallelism = args.__dict__.get(_PARALLELISM_STASH) or getattr(args, "parallelism_config", None)
+    if parallelism is None:
+        return config
+    asked = {name: getattr(parallelism, name, 1) or 1 for name in ("tp_size", "cp_size", "sp_size")}
+    refused = [f"{name}={size}" for name, size in asked.items() if size > 1]
+    if refused:
+        raise ValueError(
+            f"TrainingArguments(parallelism_config=ParallelismConfig({', '.join(refused)})): hf_fsdp2 shards "
+            "parameters with FSDP2 only; tensor, context and sequence parallelism are not built. Remove them; for "
+            "long rows, FSDP2Config(loss_chunk_size=...) and fsdp_activation_checkpointing=True cut activation memory."
+        )
+    replicas = getattr(parallelism, "dp_replicate_size", 1) or 1
+    shards = getattr(parallelism, "dp_shard_size", 1) or 1
+    if replicas > 1 and config.hsdp_replicate_size not in (1, replicas):
+        raise ValueError(
+            f"parallelism_config dp_replicate_size={replicas} disagrees with FSDP2Config(hsdp_replicate_size="
+            f"{config.hsdp_replicate_size}); give one of them."
+        )
+    replicas = replicas if replicas > 1 else config.hsdp_replicate_size
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if shards > 1 and replicas * shards != world:
+        raise ValueError(
+            f"parallelism_config dp_shard_size={shards} x {replicas} replica(s) is not the {world} ranks launched; "
+            "hf_fsdp2 shards over world_size / hsdp_replicate_size ranks: drop dp_shard_size."
+        )
+    # NOTE: Accelerate must not build a mesh of its own; the replicas live in FSDP2Config now (and the setting
+    # stays on the arguments for the next trainer built with them).
+    args.__dict__[_PARALLELISM_STASH], args.parallelism_config = parallelism, None
+    if replicas != config.hsdp_replicate_size:
+        log_rank0("From parallelism_config: dp_replicate_size=%d -> hsdp_replicate_size.", replicas)
+    return dataclasses.replace(config, hsdp_replicate_size=replicas)
 
 
 def _read_settings(args: Any) -> tuple[str, dict[str, Any], dict[str, Any]] | None:

@@ -132,3 +132,28 @@ def test_launch_mixed_precision_bf16_means_bf16_compute_and_fp16_is_refused(monk
 def test_without_fsdp_settings_the_config_is_left_as_it_is():
     config = FSDP2Config(reshard_after_forward="false")
     assert resolve_config(config, TrainingArguments(output_dir="unused", report_to=[], use_cpu=True)) is config
+
+
+def test_parallelism_config_replicas_become_hsdp_and_other_parallelisms_are_refused_by_name(monkeypatch):
+    """TrainingArguments(parallelism_config=ParallelismConfig(...)): dp_replicate_size is HSDP; tp/cp/sp are named."""
+    from types import SimpleNamespace
+
+    from accelerate.parallelism_config import ParallelismConfig
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    args = SimpleNamespace(parallelism_config=ParallelismConfig(dp_replicate_size=2, dp_shard_size=2))
+    assert resolve_config(None, args).hsdp_replicate_size == 2
+    assert args.parallelism_config is None  # Accelerate builds no mesh of its own
+    assert resolve_config(None, args).hsdp_replicate_size == 2  # a second trainer on the same arguments
+    for asked in (dict(cp_size=2), dict(sp_size=2), dict(tp_size=2)):
+        args = SimpleNamespace(parallelism_config=ParallelismConfig(**asked))
+        (name,) = asked
+        with pytest.raises(ValueError, match=rf"ParallelismConfig\({name}=2\)\): hf_fsdp2 shards parameters"):
+            resolve_config(None, args)
+    with pytest.raises(ValueError, match="disagrees with FSDP2Config"):
+        resolve_config(
+            FSDP2Config(hsdp_replicate_size=4),
+            SimpleNamespace(parallelism_config=ParallelismConfig(dp_replicate_size=2)),
+        )
+    with pytest.raises(ValueError, match="dp_shard_size=3 x 1 replica"):
+        resolve_config(None, SimpleNamespace(parallelism_config=ParallelismConfig(dp_shard_size=3)))
