@@ -74,3 +74,28 @@ def test_a_bad_chunk_size_is_refused():
 
     with pytest.raises(ValueError, match="loss_chunk_size=0 must be an int >= 1"):
         FSDP2Config(loss_chunk_size=0)
+
+
+@pytest.mark.parametrize(
+    "family", ["llava", "qwen2_vl", "qwen2_5_vl", "gemma3", "smolvlm", "gpt2", "qwen3_moe", "mixtral"]
+)
+def test_other_families_chunk_their_loss_exactly(family):
+    """Vision-language models (rows with and without an image), GPT-2 and MoE models (router loss included)."""
+    from hf_fsdp2.trainer import _forward_source
+    from tests.tiny_models import BUILDERS
+    from tests.tiny_vlms import FAMILIES
+
+    torch.manual_seed(0)
+    if family in FAMILIES:
+        model = FAMILIES[family].build()
+        batch = FAMILIES[family].collate([FAMILIES[family].row(0, True), FAMILIES[family].row(1, False)])
+    else:
+        model = BUILDERS[family]()
+        ids = torch.randint(3, 90, (2, 9), generator=torch.Generator().manual_seed(1))
+        batch = {"input_ids": ids, "labels": ids}
+    assert why_not_chunked(model, _forward_source(model)) is None
+    full = model(**batch)
+    with chunked_loss(model, 5):
+        chunked = model(**batch)
+    assert chunked.logits.shape[-1] != full.logits.shape[-1]  # the chunked path ran: no full logits
+    assert abs(chunked.loss.item() - full.loss.item()) <= 1e-6
