@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import inspect
 import weakref
 from typing import Any
 
@@ -125,8 +124,7 @@ def _chunked(model: nn.Module, chunk_size: int | None) -> contextlib.AbstractCon
     from .chunked_loss import chunked_loss, why_not_chunked
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    forward = inspect.getsource(type(base).forward) if chunk_size else None
-    if chunk_size is None or why_not_chunked(base, forward) is not None:
+    if chunk_size is None or why_not_chunked(base) is not None:
         return contextlib.nullcontext()
     return chunked_loss(base, chunk_size)
 

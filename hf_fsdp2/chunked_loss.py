@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .distributed import log_rank0
+from .facts import forward_source
 
 IGNORE_INDEX = -100
 # Words in a forward that mean it changes the logits between the head and the loss.
@@ -63,14 +64,15 @@ def _chunk_loss(
     return F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="sum")
 
 
-def why_not_chunked(model: nn.Module, forward_source: str | None) -> str | None:
+def why_not_chunked(model: nn.Module) -> str | None:
     """Why this causal LM's loss cannot be chunked exactly, or None when it can."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if type(head) is not nn.Linear:
         return f"its output head is {type(head).__name__}, not a plain nn.Linear"
-    if forward_source is None or "self.loss_function(" not in forward_source:
+    forward = forward_source(model)
+    if forward is None or "self.loss_function(" not in forward:
         return "its forward does not call self.loss_function"
-    _, head_call, after_head = forward_source.partition("self.lm_head(")
+    _, head_call, after_head = forward.partition("self.lm_head(")
     if not head_call or _LOGIT_CHANGES.search(after_head.partition("self.loss_function(")[0]):
         return "its forward changes the logits between the head and the loss"
     return None

@@ -8,6 +8,7 @@ loading, sharding, checkpointing and export read it instead of walking the model
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -109,3 +110,11 @@ def facts_of(model: nn.Module) -> ModelFacts:
     """The attached facts, or (a model that never went through prepare_model) facts read from it now."""
     facts = attached_facts(model)
     return facts if facts is not None else ModelFacts.of(model)
+
+
+def forward_source(model: nn.Module) -> str | None:
+    """The source of the model class's forward, or None when it has none (a class built at run time)."""
+    try:
+        return inspect.getsource(type(model).forward)
+    except (OSError, TypeError):
+        return None

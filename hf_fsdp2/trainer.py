@@ -83,7 +83,7 @@ from .chunked_loss import chunked_loss, log_unchunked, why_not_chunked
 from .config import FSDP2Config
 from .consolidate import save_pretrained_sharded, write_model_files
 from .distributed import init_distributed, is_rank0, log_rank0, warn_rank0
-from .facts import describe, facts_of
+from .facts import describe, facts_of, forward_source
 from .from_accelerate import resolve_config
 from .memory_plan import log_memory_plan
 from .model import clip_grad_norm, prepare_model
@@ -263,7 +263,7 @@ class FSDP2Mixin:
             return None
         if not hasattr(self, "_chunk_target"):
             model = self.model.get_base_model() if facts_of(self.model).is_peft else self.model
-            reason = why_not_chunked(model, _forward_source(model))
+            reason = why_not_chunked(model)
             if reason is None and self.args.label_smoothing_factor:
                 reason = "label smoothing reads the full logits"
             if reason is None and (self.compute_loss_func is not None or _own_compute_loss(self)):
@@ -573,7 +573,7 @@ def _loss_uses_num_items(model: nn.Module) -> bool:
     classification, a plain nn.Module) would then train on a loss (and gradients) N times too large.
     """
     model = model.get_base_model() if facts_of(model).is_peft else model
-    forward = _forward_source(model)  # None (built at run time): keep Trainer's own rule
+    forward = forward_source(model)  # None (built at run time): keep Trainer's own rule
     if forward is not None and "loss_function" not in forward and "num_items_in_batch" not in forward:
         return False
     loss_function = getattr(model, "loss_function", None)
@@ -588,7 +588,7 @@ def _loss_uses_num_items(model: nn.Module) -> bool:
 
 def _passes_num_items_to_loss(model: nn.Module) -> bool:
     """True when the model's forward calls `self.loss_function(..., **kwargs)`, which receives num_items_in_batch."""
-    forward = _forward_source(model.get_base_model() if facts_of(model).is_peft else model) or ""
+    forward = forward_source(model.get_base_model() if facts_of(model).is_peft else model) or ""
     call = forward.partition("self.loss_function(")[2].partition(")")[0]
     return "**kwargs" in call
 
@@ -598,14 +598,6 @@ def _own_compute_loss(trainer: Trainer) -> bool:
     mro = type(trainer).__mro__
     between = mro[mro.index(FSDP2Mixin) + 1 : mro.index(Trainer)]
     return any("compute_loss" in vars(cls) for cls in between)
-
-
-def _forward_source(model: nn.Module) -> str | None:
-    """The source of the model class's forward, or None when it has none (a class built at run time)."""
-    try:
-        return inspect.getsource(type(model).forward)
-    except (OSError, TypeError):
-        return None
 
 
 def _base_model_bytes(model: nn.Module) -> int:

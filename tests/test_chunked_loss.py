@@ -55,15 +55,13 @@ def test_the_model_forward_runs_with_its_head_passing_hidden_states_and_is_resto
 def test_models_whose_logits_change_before_the_loss_are_named():
     import transformers
 
-    from hf_fsdp2.trainer import _forward_source
-
     small = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
     reasons = {}
     for family in ("Llama", "Qwen2", "Mistral", "Gemma2", "Cohere", "Granite"):
         config = getattr(transformers, f"{family}Config")(**small, head_dim=8)
         with torch.device("meta"):
             model = getattr(transformers, f"{family}ForCausalLM")(config)
-        reasons[family] = why_not_chunked(model, _forward_source(model))
+        reasons[family] = why_not_chunked(model)
     assert reasons["Llama"] is reasons["Qwen2"] is reasons["Mistral"] is None
     for family in ("Gemma2", "Cohere", "Granite"):  # soft-capping, logit_scale, logits_scaling
         assert "changes the logits between the head and the loss" in reasons[family], family
@@ -81,7 +79,6 @@ def test_a_bad_chunk_size_is_refused():
 )
 def test_other_families_chunk_their_loss_exactly(family):
     """Vision-language models (rows with and without an image), GPT-2 and MoE models (router loss included)."""
-    from hf_fsdp2.trainer import _forward_source
     from tests.tiny_models import BUILDERS
     from tests.tiny_vlms import FAMILIES
 
@@ -93,7 +90,7 @@ def test_other_families_chunk_their_loss_exactly(family):
         model = BUILDERS[family]()
         ids = torch.randint(3, 90, (2, 9), generator=torch.Generator().manual_seed(1))
         batch = {"input_ids": ids, "labels": ids}
-    assert why_not_chunked(model, _forward_source(model)) is None
+    assert why_not_chunked(model) is None
     full = model(**batch)
     with chunked_loss(model, 5):
         chunked = model(**batch)
