@@ -594,10 +594,10 @@ def _passes_num_items_to_loss(model: nn.Module) -> bool:
 
 
 def _own_compute_loss(trainer: Trainer) -> bool:
-    """True when a class between FSDP2Mixin and Trainer (TRL's, a user's) defines its own compute_loss."""
+    """True when a class below Trainer other than FSDP2Mixin (TRL's, a user's subclass of FSDP2Trainer or of the
+    trainer it mixes into) defines its own compute_loss: it may read the logits the chunked loss never makes."""
     mro = type(trainer).__mro__
-    between = mro[mro.index(FSDP2Mixin) + 1 : mro.index(Trainer)]
-    return any("compute_loss" in vars(cls) for cls in between)
+    return any("compute_loss" in vars(cls) for cls in mro[: mro.index(Trainer)] if cls is not FSDP2Mixin)
 
 
 def _base_model_bytes(model: nn.Module) -> int:

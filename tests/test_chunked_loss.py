@@ -96,3 +96,25 @@ def test_other_families_chunk_their_loss_exactly(family):
         chunked = model(**batch)
     assert chunked.logits.shape[-1] != full.logits.shape[-1]  # the chunked path ran: no full logits
     assert abs(chunked.loss.item() - full.loss.item()) <= 1e-6
+
+
+def test_a_trainer_that_computes_its_own_loss_is_not_chunked():
+    """Its compute_loss may read outputs.logits: a subclass of FSDP2Trainer, or a trainer FSDP2Mixin mixes into."""
+    from transformers import Trainer
+
+    from hf_fsdp2 import FSDP2Mixin, FSDP2Trainer
+    from hf_fsdp2.trainer import _own_compute_loss
+
+    class Metrics(FSDP2Trainer):
+        def compute_loss(self, *args, **kwargs):
+            return super().compute_loss(*args, **kwargs)
+
+    class OwnLoss(Trainer):
+        def compute_loss(self, *args, **kwargs):
+            return super().compute_loss(*args, **kwargs)
+
+    class Mixed(FSDP2Mixin, OwnLoss):
+        pass
+
+    assert not _own_compute_loss(object.__new__(FSDP2Trainer))
+    assert _own_compute_loss(object.__new__(Metrics)) and _own_compute_loss(object.__new__(Mixed))
