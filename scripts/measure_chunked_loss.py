@@ -18,6 +18,8 @@ import os
 import subprocess
 import sys
 
+from measure_load_memory import vm_kib  # scripts/ is this script's import path
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -48,11 +50,6 @@ def build(path: str, args: argparse.Namespace) -> None:
     LlamaForCausalLM(config).save_pretrained(path)
 
 
-def _vm_hwm() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
-
-
 def worker(args: argparse.Namespace) -> None:
     """One rank of one setting: train, report the training peak, losses and gradient norms."""
     import torch
@@ -60,7 +57,7 @@ def worker(args: argparse.Namespace) -> None:
 
     import hf_fsdp2
 
-    baseline = _vm_hwm()
+    baseline = vm_kib("VmHWM") * 1024
     chunk = int(args.worker) or None
     world = int(os.environ.get("WORLD_SIZE", "1"))
     ids = torch.randint(3, args.vocab, (world * args.steps, args.seq), generator=torch.Generator().manual_seed(0))
@@ -74,9 +71,9 @@ def worker(args: argparse.Namespace) -> None:
     trainer = hf_fsdp2.FSDP2Trainer(path, training, train_dataset=data, fsdp2_config=config)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    start = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else _vm_hwm() - baseline
+    start = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else vm_kib("VmHWM") * 1024 - baseline
     trainer.train()
-    peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else _vm_hwm() - baseline
+    peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else vm_kib("VmHWM") * 1024 - baseline
     history = [h for h in trainer.state.log_history if "loss" in h]
     row = {"peak_mib": peak / 2**20, "before_training_mib": start / 2**20}
     rows = [None] * world

@@ -19,6 +19,8 @@ import subprocess
 import sys
 import time
 
+from measure_load_memory import vm_kib  # scripts/ is this script's import path
+
 SIZES = {  # hidden, intermediate, layers, heads, kv heads, vocab
     "small": (512, 1024, 4, 8, 4, 8000),
     "1b": (2048, 5632, 22, 32, 4, 32000),  # TinyLlama-1.1B's shape
@@ -64,12 +66,7 @@ def peak_bytes(baseline: int) -> int:
 
     if torch.cuda.is_available():
         return torch.cuda.max_memory_allocated()
-    return _vm_hwm() - baseline
-
-
-def _vm_hwm() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
+    return vm_kib("VmHWM") * 1024 - baseline
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -80,7 +77,7 @@ def worker(args: argparse.Namespace) -> None:
 
     import hf_fsdp2
 
-    baseline = _vm_hwm()
+    baseline = vm_kib("VmHWM") * 1024
     mode = args.worker
     path = os.path.join(args.workdir, f"llama-{args.size}")
     # The compute dtype is the dtype of the base's dense weights and of each dequantized NF4 weight: the
