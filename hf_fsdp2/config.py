@@ -21,6 +21,9 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
 }
 _BOOL_STRINGS = {"true": True, "false": False}
+# Tokens per loss chunk when sequence parallelism turns the chunked loss on: 4096 x a 128k vocabulary in fp32 is
+# 2 GiB, against 32 GiB for a 64k-token row's full logits.
+DEFAULT_SEQUENCE_PARALLEL_LOSS_CHUNK = 4096
 
 
 @dataclass
@@ -126,6 +129,17 @@ class FSDP2Config:
             "instead of sequence x vocabulary (e.g. 4096). Same loss up to summation order. Models whose forward "
             "changes the logits before the loss (soft-capping, scaling), label smoothing, a compute_loss_func or "
             "a Trainer subclass with its own compute_loss train unchunked, with one log line."
+        },
+    )
+    sequence_parallel_size: int = field(
+        default=1,
+        metadata={
+            "help": "Long rows: groups of N consecutive ranks share each row, each holding a contiguous 1/N of its "
+            "tokens (Ulysses attention: two all-to-alls around each attention call). The global batch, steps and "
+            "losses stay those of the same ranks without it; activation memory per rank drops about N times. "
+            "Exact with packed rows (DataCollatorWithFlattening, TRL packing / padding_free). Causal LMs of the "
+            "families in the README; N must divide the world size and the attention heads. Turns on loss_chunk_size "
+            "(4096) unless set. Evaluation and generate run unsplit."
         },
     )
     defer_gradient_sync: bool = field(
@@ -248,11 +262,23 @@ class FSDP2Config:
             raise ValueError(f"signal_check_steps={self.signal_check_steps!r} must be an int >= 1 (optimizer steps).")
         if self.loss_chunk_size is not None and (not isinstance(self.loss_chunk_size, int) or self.loss_chunk_size < 1):
             raise ValueError(f"loss_chunk_size={self.loss_chunk_size!r} must be an int >= 1 (tokens) or None (off).")
+        if not isinstance(self.sequence_parallel_size, int) or self.sequence_parallel_size < 1:
+            raise ValueError(
+                f"sequence_parallel_size={self.sequence_parallel_size!r} must be an int >= 1 (1 = off; N = ranks "
+                "sharing each row)."
+            )
         if not isinstance(self.hsdp_replicate_size, int) or self.hsdp_replicate_size < 1:
             raise ValueError(
                 f"hsdp_replicate_size={self.hsdp_replicate_size!r} must be an int >= 1 "
                 "(1 = plain FSDP; N > 1 = N replicas of a sharded model)."
             )
+
+    @property
+    def effective_loss_chunk_size(self) -> int | None:
+        """`loss_chunk_size`, or its default under sequence parallelism (long rows are why it is on)."""
+        if self.loss_chunk_size is None and self.sequence_parallel_size > 1:
+            return DEFAULT_SEQUENCE_PARALLEL_LOSS_CHUNK
+        return self.loss_chunk_size
 
     @property
     def reshard_policy(self) -> bool | int:

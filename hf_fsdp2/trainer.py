@@ -90,8 +90,10 @@ from .model import clip_grad_norm, prepare_model
 from .preemption import Preempted, PreemptionCallback, PreemptionWatcher
 from .resume import find_resume_checkpoint
 from .router_loss import correct_router_loss, router_config
+from .sequence_parallel import SequenceParallel, check_model
 from .sharding import reshard_all
 from .skeleton import from_pretrained
+from .ulysses_attention import ulysses
 
 
 class FSDP2Mixin:
@@ -116,11 +118,14 @@ class FSDP2Mixin:
         if isinstance(model, (str, os.PathLike)):
             bound.arguments["model"] = self._skeleton(model, args)
         self._original_names: dict[int, str] = {}
+        self._sequence_parallel: SequenceParallel | None = None
         self._memory_plan_logged = False
         self._async_saver: AsyncSaver | None = None
         self._pending_save: tuple[list[Any], str, str, str] | None = None
         super().__init__(*bound.args, **bound.kwargs)
         self.is_distributed_loading_by_transformers = True
+        if self.fsdp2_config.sequence_parallel_size > 1:
+            _check_sequence_parallel_trainer(self)
         if not _loss_uses_num_items(self.model):
             self.model_accepts_loss_kwargs = False
         elif not self.model_accepts_loss_kwargs and _passes_num_items_to_loss(self.model):
@@ -202,6 +207,10 @@ class FSDP2Mixin:
                 "FSDP2Config(merge_adapters_on_save=True) needs a PEFT model (get_peft_model(model, LoraConfig(...)) "
                 "or a trainer's peft_config); this model has no adapters. Turn the option off."
             )
+        size = self.fsdp2_config.sequence_parallel_size
+        if size > 1:
+            implementation = check_model(_unwrap_peft(model), size, dist.get_world_size())
+            self._sequence_parallel = SequenceParallel(size, implementation)
         self._original_names = {id(p): name for name, p in model.named_parameters()}
         sharded = prepare_model(model, self.fsdp2_config, bf16=self.args.bf16, fp16=self.args.fp16, facts=facts)
         if sharded is not model:
@@ -242,6 +251,21 @@ class FSDP2Mixin:
         """Report the global gradient norm (measured without clipping when clipping is off)."""
         return grad_norm if grad_norm is not None else clip_grad_norm(list(model.parameters()), float("inf"))
 
+    def training_step(
+        self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: torch.Tensor | int | None = None
+    ) -> torch.Tensor:
+        """Trainer's step; with sequence parallelism, one step per member of the group over this rank's slice of
+        that member's rows (forward and backward inside, so recomputed attention is the same attention)."""
+        sequence_parallel = self._sequence_parallel
+        if sequence_parallel is None:
+            return super().training_step(model, inputs, num_items_in_batch)
+        losses = []
+        config = _unwrap_peft(self.model).config
+        for part in sequence_parallel.parts(inputs, num_items_in_batch):
+            with ulysses(config, part.layout):
+                losses.append(super().training_step(model, part.inputs, part.num_items_in_batch))
+        return torch.stack(losses).sum()
+
     def compute_loss(
         self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None
     ) -> Any:
@@ -249,7 +273,7 @@ class FSDP2Mixin:
         router loss over the global batch, as in one process."""
         training = model.training and torch.is_grad_enabled()
         target = self._chunked_loss_target() if training and "labels" in inputs else None
-        chunks = self.fsdp2_config.loss_chunk_size
+        chunks = self.fsdp2_config.effective_loss_chunk_size
         with chunked_loss(target, chunks) if target is not None else contextlib.nullcontext():
             if router_config(self.model) is None or not training:
                 return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
@@ -259,10 +283,10 @@ class FSDP2Mixin:
 
     def _chunked_loss_target(self) -> nn.Module | None:
         """The causal LM whose loss is chunked (`loss_chunk_size`), or None; why not is logged once."""
-        if self.fsdp2_config.loss_chunk_size is None:
+        if self.fsdp2_config.effective_loss_chunk_size is None:
             return None
         if not hasattr(self, "_chunk_target"):
-            model = self.model.get_base_model() if facts_of(self.model).is_peft else self.model
+            model = _unwrap_peft(self.model)
             reason = why_not_chunked(model)
             if reason is None and self.args.label_smoothing_factor:
                 reason = "label smoothing reads the full logits"
@@ -572,7 +596,7 @@ def _loss_uses_num_items(model: nn.Module) -> bool:
     the loss by the number of ranks; a model that computes its own mean loss (T5, BART, sequence
     classification, a plain nn.Module) would then train on a loss (and gradients) N times too large.
     """
-    model = model.get_base_model() if facts_of(model).is_peft else model
+    model = _unwrap_peft(model)
     forward = forward_source(model)  # None (built at run time): keep Trainer's own rule
     if forward is not None and "loss_function" not in forward and "num_items_in_batch" not in forward:
         return False
@@ -588,7 +612,7 @@ def _loss_uses_num_items(model: nn.Module) -> bool:
 
 def _passes_num_items_to_loss(model: nn.Module) -> bool:
     """True when the model's forward calls `self.loss_function(..., **kwargs)`, which receives num_items_in_batch."""
-    forward = forward_source(model.get_base_model() if facts_of(model).is_peft else model) or ""
+    forward = forward_source(_unwrap_peft(model)) or ""
     call = forward.partition("self.loss_function(")[2].partition(")")[0]
     return "**kwargs" in call
 
@@ -598,6 +622,44 @@ def _own_compute_loss(trainer: Trainer) -> bool:
     trainer it mixes into) defines its own compute_loss: it may read the logits the chunked loss never makes."""
     mro = type(trainer).__mro__
     return any("compute_loss" in vars(cls) for cls in mro[: mro.index(Trainer)] if cls is not FSDP2Mixin)
+
+
+def _unwrap_peft(model: nn.Module) -> nn.Module:
+    """The transformers model inside a PEFT wrapper (the model itself otherwise)."""
+    return model.get_base_model() if facts_of(model).is_peft else model
+
+
+def _check_sequence_parallel_trainer(trainer: Trainer) -> None:
+    """Refuse losses that read a whole row's logits, which a rank holding a slice of the row never has.
+
+    Raises:
+        ValueError: naming the trainer class, compute_loss_func or label smoothing.
+    """
+    mro = type(trainer).__mro__
+    own = [
+        cls.__name__
+        for cls in mro[: mro.index(Trainer)]
+        if "compute_loss" in vars(cls) and cls is not FSDP2Mixin and cls.__name__ not in _SLICE_AWARE_TRAINERS
+    ]
+    problem = (
+        f"{own[0]} computes its own loss from whole rows"
+        if own
+        else "compute_loss_func receives whole rows' logits"
+        if trainer.compute_loss_func is not None
+        else "label smoothing shifts the labels of each slice"
+        if trainer.args.label_smoothing_factor
+        else None
+    )
+    if problem is not None:
+        raise ValueError(
+            f"FSDP2Config(sequence_parallel_size={trainer.fsdp2_config.sequence_parallel_size}): {problem}, but each "
+            "rank holds only a slice of each row. Use FSDP2Trainer / FSDP2SFTTrainer with the model's own loss, or "
+            "set sequence_parallel_size=1."
+        )
+
+
+# Trainers whose own compute_loss scores pre-shifted `shift_labels` slice by slice (TRL's SFT: its fused LM head).
+_SLICE_AWARE_TRAINERS = ("SFTTrainer",)
 
 
 def _base_model_bytes(model: nn.Module) -> int:

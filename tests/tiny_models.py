@@ -69,6 +69,21 @@ def moe(family: str) -> PreTrainedModel:
     return MixtralForCausalLM(MixtralConfig(**shape, num_local_experts=4))
 
 
+def sequence_parallel_family(family: str) -> PreTrainedModel:
+    """The families sequence parallelism runs, with an 8-token sliding window where the family has one."""
+    import transformers
+
+    extra = {
+        "mistral": dict(sliding_window=8),
+        "qwen2": dict(use_sliding_window=True, sliding_window=8, max_window_layers=1),  # layer 1 slides
+        "qwen3": dict(head_dim=8),
+        "gemma": dict(head_dim=8),
+    }[family]
+    name = {"mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma": "Gemma"}[family]
+    config = getattr(transformers, f"{name}Config")(**TEXT_SHAPE, **extra)
+    return getattr(transformers, f"{name}ForCausalLM")(config)
+
+
 BUILDERS: dict[str, Callable[[], PreTrainedModel]] = {
     "llama": llama,
     "llama_tied": lambda: llama(tied=True),
@@ -77,6 +92,10 @@ BUILDERS: dict[str, Callable[[], PreTrainedModel]] = {
     "qwen3_moe": lambda: moe("qwen3_moe"),
     "mixtral": lambda: moe("mixtral"),
     "llama_bf16": lambda: llama().to(torch.bfloat16),
+    "mistral_window": lambda: sequence_parallel_family("mistral"),
+    "qwen2_window": lambda: sequence_parallel_family("qwen2"),
+    "qwen3": lambda: sequence_parallel_family("qwen3"),
+    "gemma": lambda: sequence_parallel_family("gemma"),
 }
 
 
