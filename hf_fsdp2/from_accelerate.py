@@ -80,7 +80,7 @@ def resolve_config(config: FSDP2Config | None, args: Any) -> FSDP2Config:
 
 def _carry_parallelism(config: FSDP2Config, args: Any) -> FSDP2Config:
     """`TrainingArguments(parallelism_config=ParallelismConfig(...))`: data-parallel replicas become HSDP replicas;
-    tensor, context and sequence parallelism are refused by name (hf_fsdp2 shards parameters only).
+    tensor parallelism is refused, context and sequence parallelism refused naming `sequence_parallel_size`.
 
     Raises:
         ValueError: for tp_size, cp_size or sp_size above 1, or dp sizes that disagree with the config or the world.
@@ -90,13 +90,23 @@ def _carry_parallelism(config: FSDP2Config, args: Any) -> FSDP2Config:
     parallelism = args.__dict__.get(_PARALLELISM_STASH) or getattr(args, "parallelism_config", None)
     if parallelism is None:
         return config
-    asked = {name: getattr(parallelism, name, 1) or 1 for name in ("tp_size", "cp_size", "sp_size")}
-    refused = [f"{name}={size}" for name, size in asked.items() if size > 1]
-    if refused:
+    tensor = getattr(parallelism, "tp_size", 1) or 1
+    if tensor > 1:
         raise ValueError(
-            f"TrainingArguments(parallelism_config=ParallelismConfig({', '.join(refused)})): hf_fsdp2 shards "
-            "parameters with FSDP2 only; tensor, context and sequence parallelism are not built. Remove them; for "
-            "long rows, FSDP2Config(loss_chunk_size=...) and fsdp_activation_checkpointing=True cut activation memory."
+            f"TrainingArguments(parallelism_config=ParallelismConfig(tp_size={tensor})): hf_fsdp2 shards parameters "
+            "with FSDP2 and has no tensor parallelism. Remove tp_size; for long rows use "
+            "FSDP2Config(sequence_parallel_size=N)."
+        )
+    rows = {name: getattr(parallelism, name, 1) or 1 for name in ("cp_size", "sp_size")}
+    asked = [f"{name}={size}" for name, size in rows.items() if size > 1]
+    if asked:
+        # NOTE: refused rather than carried: Accelerate's groups share one batch (the global batch shrinks by N) and
+        # its context parallelism is causal-only across packed documents; ours keeps the global batch and is exact.
+        raise ValueError(
+            f"TrainingArguments(parallelism_config=ParallelismConfig({', '.join(asked)})): hf_fsdp2's sequence "
+            f"parallelism is FSDP2Config(sequence_parallel_size={max(rows.values())}) — pass that and remove "
+            f"{' and '.join(name for name, size in rows.items() if size > 1)}. Unlike Accelerate's, it keeps the "
+            "global batch (per_device_train_batch_size x world_size x accumulation) and keeps packed documents apart."
         )
     replicas = getattr(parallelism, "dp_replicate_size", 1) or 1
     shards = getattr(parallelism, "dp_shard_size", 1) or 1

@@ -145,11 +145,15 @@ def test_parallelism_config_replicas_become_hsdp_and_other_parallelisms_are_refu
     assert resolve_config(None, args).hsdp_replicate_size == 2
     assert args.parallelism_config is None  # Accelerate builds no mesh of its own
     assert resolve_config(None, args).hsdp_replicate_size == 2  # a second trainer on the same arguments
-    for asked in (dict(cp_size=2), dict(sp_size=2), dict(tp_size=2)):
+    for asked in (dict(cp_size=2), dict(sp_size=2)):
         args = SimpleNamespace(parallelism_config=ParallelismConfig(**asked))
         (name,) = asked
-        with pytest.raises(ValueError, match=rf"ParallelismConfig\({name}=2\)\): hf_fsdp2 shards parameters"):
+        with pytest.raises(
+            ValueError, match=rf"{name}=2\)\): .*FSDP2Config\(sequence_parallel_size=2\).*remove {name}"
+        ):
             resolve_config(None, args)
+    with pytest.raises(ValueError, match=r"ParallelismConfig\(tp_size=2\)\): hf_fsdp2 shards parameters"):
+        resolve_config(None, SimpleNamespace(parallelism_config=ParallelismConfig(tp_size=2)))
     with pytest.raises(ValueError, match="disagrees with FSDP2Config"):
         resolve_config(
             FSDP2Config(hsdp_replicate_size=4),
