@@ -33,13 +33,16 @@ def traced_activation_bytes(
     checkpoint_blocks: list[str] | None = None,
     lora: Any = None,
     loss_chunk_size: int | None = None,
+    sequence_parallel: int = 1,
 ) -> int:
     """Peak bytes of activations and temporaries of one training step of `config`'s causal LM at batch × seq
     (a vision-language model: on text-only rows).
 
     `checkpoint_blocks`: class names of the blocks whose activations are recomputed in backward (None: none);
     `lora`: a peft LoraConfig to wrap the model with first (frozen base, trainable adapters);
-    `loss_chunk_size`: the head and loss over chunks of this many tokens, as FSDP2Trainer runs them.
+    `loss_chunk_size`: the head and loss over chunks of this many tokens, as FSDP2Trainer runs them;
+    `sequence_parallel`: N ranks share each row: one rank's slice of seq / N tokens (padded up), with the
+    all-to-all buffers of Ulysses attention over the whole row.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -61,10 +64,12 @@ def traced_activation_bytes(
                 param.register_post_accumulate_grad_hook(_drop_grad)
         # A multimodal config: text-only rows (image activations are not traced: the tower's parameters are).
         vocab = getattr(config, "vocab_size", None) or config.get_text_config().vocab_size
-        ids = torch.randint(0, vocab, (batch, seq))
-        tracker = LiveBytes([*model.parameters(), *model.buffers(), ids])
-        with tracker, _chunked(model, loss_chunk_size):
-            model(input_ids=ids, labels=ids).loss.backward()
+        local = -(-seq // sequence_parallel)
+        ids = torch.randint(0, vocab, (batch, local))
+        positions = torch.arange(local).expand(batch, local)  # any slice: the trace only reads shapes
+        tracker = LiveBytes([*model.parameters(), *model.buffers(), ids, positions])
+        with tracker, _chunked(model, loss_chunk_size), _split_rows(model, sequence_parallel, batch, local):
+            model(input_ids=ids, position_ids=positions, labels=ids).loss.backward()
     return tracker.peak
 
 
@@ -127,6 +132,18 @@ def _chunked(model: nn.Module, chunk_size: int | None) -> contextlib.AbstractCon
     if chunk_size is None or why_not_chunked(base) is not None:
         return contextlib.nullcontext()
     return chunked_loss(base, chunk_size)
+
+
+def _split_rows(model: nn.Module, size: int, batch: int, local: int) -> contextlib.AbstractContextManager:
+    """Ulysses attention over rows of `size` x `local` tokens (one document each), exchanging nothing."""
+    if size == 1:
+        return contextlib.nullcontext()
+    from .ulysses_attention import RowLayout, ulysses
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    implementation = base.config._attn_implementation or "eager"
+    documents = [[(0, size * local)] for _ in range(batch)]
+    return ulysses(base.config, RowLayout(None, size, implementation, documents))
 
 
 def _to_fake(model: nn.Module, dtype: torch.dtype) -> None:

@@ -55,6 +55,13 @@ def _add_plan_parser(commands: Any) -> None:
     plan.add_argument(
         "--loss-chunk-size", type=int, default=None, metavar="T", help="FSDP2Config(loss_chunk_size=T): chunked loss"
     )
+    plan.add_argument(
+        "--sequence-parallel",
+        type=int,
+        default=1,
+        metavar="N",
+        help="FSDP2Config(sequence_parallel_size=N): N ranks share each row (--loss-chunk-size 4096 unless given)",
+    )
     plan.add_argument("--cpu-offload", action="store_true")
     plan.add_argument("--optim", default="adamw_torch_fused", help="TrainingArguments.optim (default: Trainer's)")
     plan.add_argument("--device-memory", default=None, help="memory per rank, e.g. 80GiB (default: detected)")
@@ -94,6 +101,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     leave it open."""
     import json
 
+    from .config import FSDP2Config
     from .hf_export import parse_size
     from .memory_plan import DEFAULT_LORA_TARGETS, format_plan, plan
 
@@ -101,7 +109,10 @@ def _run_plan(args: argparse.Namespace) -> int:
     result = plan(
         args.model, nproc=args.nproc, hsdp=args.hsdp, bf16=args.bf16, lora_r=r,
         lora_targets=targets or DEFAULT_LORA_TARGETS, batch=args.batch, seq=args.seq, qlora=args.qlora,
-        loss_chunk_size=args.loss_chunk_size,
+        loss_chunk_size=FSDP2Config(
+            loss_chunk_size=args.loss_chunk_size, sequence_parallel_size=args.sequence_parallel
+        ).effective_loss_chunk_size,
+        sequence_parallel=args.sequence_parallel,
         activation_checkpointing=args.activation_checkpointing, cpu_offload=args.cpu_offload, optim=args.optim,
         device_memory=parse_size(args.device_memory) if args.device_memory else None, cpu=args.cpu,
     )  # fmt: skip

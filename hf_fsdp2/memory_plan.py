@@ -68,6 +68,8 @@ class PlanRequest:
     qlora: bool = False
     # FSDP2Config(loss_chunk_size): the LM head and loss over chunks of this many tokens (None: full logits).
     loss_chunk_size: int | None = None
+    # FSDP2Config(sequence_parallel_size): N ranks share each row (each traces a slice of seq / N tokens).
+    sequence_parallel: int = 1
 
     @property
     def on_cpu(self) -> bool:
@@ -154,6 +156,7 @@ def plan(
     cpu: bool | None = None,
     qlora: bool = False,
     loss_chunk_size: int | None = None,
+    sequence_parallel: int = 1,
 ) -> MemoryPlan:
     """Plan a run of `model` (a folder, a config.json, or the model object itself: a PreTrainedModel, a meta
     skeleton or a PeftModel, whose LoRA rank and targets are used unless `lora_r` is given): per-rank bytes
@@ -169,6 +172,7 @@ def plan(
     request = PlanRequest(
         "", nproc, hsdp, bf16, lora_r, targets, batch, seq, activation_checkpointing,
         cpu_offload, optim, device_memory, cpu, qlora=qlora, loss_chunk_size=loss_chunk_size,
+        sequence_parallel=sequence_parallel,
     )  # fmt: skip
     if isinstance(model, nn.Module):
         request = _request_for_object(request, model)
@@ -221,6 +225,10 @@ def _validate(request: PlanRequest) -> None:
         raise ValueError(f"--optim {request.optim!r}: the planner knows {sorted(OPTIMIZER_STATES)}.")
     if request.nproc < 1 or request.hsdp < 1 or request.nproc % request.hsdp:
         raise ValueError(f"--hsdp {request.hsdp} must divide --nproc {request.nproc} (both >= 1).")
+    if request.sequence_parallel < 1 or request.nproc % request.sequence_parallel:
+        raise ValueError(
+            f"--sequence-parallel {request.sequence_parallel} must divide --nproc {request.nproc} (both >= 1)."
+        )
 
 
 def load_config(model: str) -> Any:
@@ -314,7 +322,7 @@ def log_memory_plan(model: nn.Module, args: Any, config: Any, dataset: Any) -> N
             batch=args.per_device_train_batch_size, seq=seq, cpu_offload=config.cpu_offload,
             activation_checkpointing=config.fsdp_activation_checkpointing or bool(args.gradient_checkpointing),
             optim=str(getattr(args.optim, "value", args.optim)), qlora=any(is_nf4(p) for p in model.parameters()),
-            loss_chunk_size=config.loss_chunk_size,
+            loss_chunk_size=config.effective_loss_chunk_size, sequence_parallel=config.sequence_parallel_size,
         )  # fmt: skip
         _validate(request)
         base, lora = _base_and_lora(model)
@@ -377,8 +385,9 @@ def _activations(request: PlanRequest, sizes: ModelSizes, lora: Any) -> int:
     compute = torch.bfloat16 if request.bf16 else sizes.load_dtype
     blocks = sizes.block_classes if request.activation_checkpointing else None
     return traced_activation_bytes(
-        sizes.config, compute, request.batch, request.seq, blocks, lora, request.loss_chunk_size
-    )
+        sizes.config, compute, request.batch, request.seq, blocks, lora, request.loss_chunk_size,
+        request.sequence_parallel,
+    )  # fmt: skip
 
 
 def phases_for(request: PlanRequest, sizes: ModelSizes, activations: int) -> list[Phase]:
@@ -437,7 +446,8 @@ def detect_device_memory(nproc: int) -> int:
 
 def _alternatives(request: PlanRequest, available: int) -> list[dict[str, Any]]:
     """Single changes that fit, with their training peaks: the fewest more ranks, activation checkpointing,
-    CPU offload (only where there is an accelerator to offload from), LoRA (r=16 on the attention projections)."""
+    CPU offload (only where there is an accelerator to offload from), LoRA (r=16 on the attention projections),
+    sequence parallelism over pairs of ranks."""
     found: list[dict[str, Any]] = []
     for factor in (2, 4, 8, 16, 32, 64, 128):
         candidate = replace(request, nproc=request.nproc * factor)
@@ -447,6 +457,8 @@ def _alternatives(request: PlanRequest, available: int) -> list[dict[str, Any]]:
     switches = [replace(request, activation_checkpointing=True)]
     switches += [replace(request, cpu_offload=True)] if not request.on_cpu else []
     switches += [replace(request, lora_r=16)] if not request.lora_r else []
+    if request.sequence_parallel == 1 and request.nproc % 2 == 0:  # as FSDP2Config turns the chunked loss on
+        switches += [replace(request, sequence_parallel=2, loss_chunk_size=request.loss_chunk_size or 4096)]
     found += [_alternative(request, c) for c in switches if c != request and _training_peak(c) <= available]
     return found
 
@@ -486,7 +498,8 @@ def format_plan(result: MemoryPlan) -> str:
         f"batch {r.batch} × seq {r.seq} per device, "
         f"activation checkpointing {'on' if r.activation_checkpointing else 'off'}"
         f"{', CPU offload' if r.cpu_offload else ''}"
-        f"{f', loss in chunks of {r.loss_chunk_size} tokens' if r.loss_chunk_size else ''}, {r.optim}.",
+        f"{f', loss in chunks of {r.loss_chunk_size} tokens' if r.loss_chunk_size else ''}"
+        f"{f', rows split across {r.sequence_parallel} ranks' if r.sequence_parallel > 1 else ''}, {r.optim}.",
         "",
         "| phase (per rank) | peak | made of |",
         "|---|---:|---|",

@@ -27,6 +27,8 @@ This is the only module that knows Trainer/Accelerate internals. Every private h
 - `compute_loss` (wrapped): an MoE model's router loss is replaced by its global-batch value, and the loss scale
   Trainer applied is read back from Trainer's own condition (`average_tokens_across_devices`,
   `model_accepts_loss_kwargs`, `get_tp_size`) (tests/test_dropin.py moe_qwen3, moe_mixtral).
+- `training_step` (wrapped, only with `sequence_parallel_size` > 1): one Trainer step per member of the group on
+  this rank's slice of that member's rows, inside Ulysses attention (tests/test_sequence_parallel.py).
 - `create_optimizer`: reshard first, because a forward under no_grad (evaluate) leaves the root gathered
   and an optimizer built then holds the wrong tensors (tests/test_trainer.py evaluate-then-train).
 - `model_accepts_loss_kwargs`: cleared when the model's loss ignores `num_items_in_batch`, else
@@ -211,6 +213,14 @@ class FSDP2Mixin:
         if size > 1:
             implementation = check_model(_unwrap_peft(model), size, dist.get_world_size())
             self._sequence_parallel = SequenceParallel(size, implementation)
+            log_rank0(
+                "Sequence parallelism: groups of %d consecutive ranks share each row (%s attention per document, "
+                "%d groups); the loss runs in chunks of %s tokens.",
+                size,
+                implementation,
+                dist.get_world_size() // size,
+                self.fsdp2_config.effective_loss_chunk_size,
+            )
         self._original_names = {id(p): name for name, p in model.named_parameters()}
         sharded = prepare_model(model, self.fsdp2_config, bf16=self.args.bf16, fp16=self.args.fp16, facts=facts)
         if sharded is not model:

@@ -34,9 +34,13 @@ _PACKING_KWARGS = ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length
 
 @dataclass
 class RowLayout:
-    """What the attention of one part needs beyond its slice: the group and the whole rows' documents."""
+    """What the attention of one part needs beyond its slice: the group and the whole rows' documents.
 
-    group: dist.ProcessGroup
+    `group=None` traces memory only (the planner, on fake tensors): each all-to-all allocates what the real one
+    would and exchanges nothing.
+    """
+
+    group: dist.ProcessGroup | None
     size: int
     implementation: str
     documents: list[list[tuple[int, int]]]  # per row: [start, end) of each document over the whole padded row
@@ -113,7 +117,7 @@ def _to_whole_row(x: torch.Tensor, size: int, group: dist.ProcessGroup) -> torch
     """[b, heads, slice, d] on each rank -> [b, heads / N, whole row, d]: rank k receives head block k."""
     b, heads, length, d = x.shape
     send = x.reshape(b, size, heads // size, length, d).permute(1, 0, 2, 3, 4).contiguous()
-    received = all_to_all_single(torch.empty_like(send), send, group=group)  # [source slice, b, h/N, s, d]
+    received = _all_to_all(send, group)  # [source slice, b, h/N, s, d]
     return received.permute(1, 2, 0, 3, 4).reshape(b, heads // size, size * length, d)
 
 
@@ -121,8 +125,27 @@ def _to_slice(x: torch.Tensor, size: int, group: dist.ProcessGroup) -> torch.Ten
     """[b, whole row, heads / N, d] -> [b, slice, heads, d] (the layout attention implementations return)."""
     b, row, heads, d = x.shape
     send = x.reshape(b, size, row // size, heads, d).permute(1, 0, 2, 3, 4).contiguous()
-    received = all_to_all_single(torch.empty_like(send), send, group=group)  # [source head block, b, s, h/N, d]
+    received = _all_to_all(send, group)  # [source head block, b, s, h/N, d]
     return received.permute(1, 2, 0, 3, 4).reshape(b, row // size, size * heads, d)
+
+
+def _all_to_all(send: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Block k of dim 0 goes to rank k of the group; backward is the reverse exchange (torch's autograd op)."""
+    if group is None:
+        return _TracedExchange.apply(send)
+    return all_to_all_single(torch.empty_like(send), send, group=group)
+
+
+class _TracedExchange(torch.autograd.Function):
+    """The memory of an all-to-all without a group: a new buffer of the same size, forward and backward."""
+
+    @staticmethod
+    def forward(ctx: Any, send: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(send)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(grad)
 
 
 def _per_document(

@@ -14,6 +14,8 @@ repeated, and the table gives medians with (min–max) and ratios against accele
 
 Usage:
     python scripts/benchmark.py --quick                     # ~100M Llama, 2 ranks, under 10 min on 2 CPU cores
+    python scripts/benchmark.py --long-context [...]        # long rows, sequence_parallel_size 1 vs 2
+                                                            # (scripts/benchmark_long_context.py --help)
     python scripts/benchmark.py --nproc 8 --repeats 3 --json bench.json --png bench.png --markdown bench.md
 
 Memory is VmHWM (peak resident set) above the VmHWM measured right after imports, per rank, so each phase's
@@ -192,6 +194,11 @@ def _run_options(args: argparse.Namespace) -> dict:
 
 
 def main() -> None:
+    if "--long-context" in sys.argv[1:]:
+        # Long rows with and without sequence parallelism: its own script, options and tables.
+        from benchmark_long_context import main as long_context
+
+        return long_context([a for a in sys.argv[1:] if a != "--long-context"])
     args = parse_args()
     if args.worker:
         from benchmark_worker import consolidate_worker, train_worker

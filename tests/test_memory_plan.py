@@ -341,3 +341,29 @@ def test_a_chunked_loss_is_planned_with_chunk_sized_logits(tmp_path):
     saved = full.parts["activations"] - chunked.parts["activations"]
     assert 1.5 * logits < saved < 3.5 * logits  # the logits, their log-softmax and gradient: now 1/8 of that
     assert main(["plan", str(tmp_path / "llama"), "--seq", "1024", "--loss-chunk-size", "128", "--cpu"]) == 0
+
+
+def test_sequence_parallelism_plans_one_ranks_slice_with_its_all_to_all_buffers(tmp_path, capsys):
+    """N ranks share each row: a rank traces seq / N tokens; the all-to-all buffers cost a little more than that."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=4096,
+    ).save_pretrained(tmp_path / "llama")  # fmt: skip
+    args = dict(nproc=2, batch=1, device_memory=2**40, cpu=True, loss_chunk_size=256)
+
+    def activations(seq: int, sp: int) -> int:
+        training = next(
+            p
+            for p in plan(str(tmp_path / "llama"), seq=seq, sequence_parallel=sp, **args).phases
+            if p.name == "training"
+        )
+        return training.parts["activations"]
+
+    whole, split, half = activations(2048, 1), activations(2048, 2), activations(1024, 1)
+    assert half < split < 0.6 * whole  # the slice, plus the exchanged q, k, v and output of one layer at a time
+    with pytest.raises(ValueError, match="--sequence-parallel 3 must divide --nproc 2"):
+        plan(str(tmp_path / "llama"), seq=2048, sequence_parallel=3, **args)
+    assert main(["plan", str(tmp_path / "llama"), "--nproc", "2", "--seq", "2048", "--sequence-parallel", "2"]) == 0
+    assert "rows split across 2 ranks" in capsys.readouterr().out

@@ -26,7 +26,7 @@ README = os.path.join(ROOT, "README.md")
 FENCE = re.compile(r"^(?P<indent> *)```(?P<lang>\w*)\n(?P<body>.*?)^(?P=indent)```", re.M | re.S)
 MARK = re.compile(r"<!-- (?:snippet: (?P<name>[\w-]+)|not run: (?P<why>.+?)) -->\s*$")
 PYTHON_SNIPPETS = ("minimal", "classification", "mixin", "trl", "lora")
-SHELL_SNIPPETS = ("quickstart", "own_model", "lora_recipe", "qlora_recipe")
+SHELL_SNIPPETS = ("quickstart", "own_model", "lora_recipe", "qlora_recipe", "long_context_recipe")
 
 
 @dataclass
@@ -245,6 +245,18 @@ def test_qlora_recipe_command_runs_as_written_on_an_nf4_base(workspace):
     assert "exact_match" in summary["reloaded"]  # PeftModel.from_pretrained over the original (dense) base
     assert {"adapter_model.safetensors", "adapter_config.json"} <= set(os.listdir(out))
     assert "model.safetensors" not in os.listdir(out)  # adapter only: no base written
+
+
+def test_long_context_recipe_runs_as_written_with_rows_split_across_ranks(workspace):
+    """Packed rows of the embedded default split across 2 ranks: it learns, and the export names sdpa, not ours."""
+    proc = run_shell(workspace, "long_context_recipe", shell_command("long_context_recipe"))
+    assert "Sequence parallelism: groups of 2 consecutive ranks share each row" in proc.stdout + proc.stderr
+    out = os.path.join(workspace, "long_context_recipe", "out", "long_context")
+    summary = summary_of(out)
+    assert summary["after"]["eval_loss"] < 0.5 * summary["before"]["eval_loss"]
+    assert summary["reloaded"]["exact_match"] == summary["after"]["exact_match"]
+    with open(os.path.join(out, "config.json")) as f:
+        assert "hf_fsdp2" not in f.read()
 
 
 def test_plan_example_is_what_the_planner_prints():

@@ -142,6 +142,7 @@ def runs(tmp_path_factory, tiny):
             "sp1_lora": _run(llama, 2, "ours", "--lora"),
             "sft_sp2": _run(llama, 2, "sft", "--sp", "2"),
             "sft_sp1": _run(llama, 2, "sft"),
+            "dpo_sp2": _run(llama, 2, "dpo", "--sp", "2"),
             "probe": ["--mode", "probe", "--model", llama, "--sp", "2"],
             **{f"sp2_{f}": _run(tiny(f), 2, "ours", "--sp", "2") for f in FAMILIES},
             "resumed_full": _run(llama, 2, "ours", "--sp", "2", "--steps", "4", "--save-steps", "2", "--export"),
@@ -214,9 +215,11 @@ def test_packed_documents_never_see_each_other(runs, name):
     assert probe["moved_whole_row_causal"][1] == probe["others"]
 
 
-def test_left_padding_is_refused_with_the_fix(runs):
+def test_left_padding_and_whole_row_losses_are_refused_with_the_fix(runs):
     error = open(os.path.join(runs["sp2_left_padded"], "error.txt")).read()
     assert "padding before real tokens" in error and "DataCollatorWithFlattening" in error
+    error = open(os.path.join(runs["dpo_sp2"], "error.txt")).read()
+    assert "DPOTrainer computes its own loss from whole rows" in error and "sequence_parallel_size=1" in error
 
 
 def test_a_checkpoint_resumes_at_another_sequence_parallel_size(runs):
@@ -225,3 +228,4 @@ def test_a_checkpoint_resumes_at_another_sequence_parallel_size(runs):
     _same_losses({"losses": resumed["losses"][2:]}, {"losses": full["losses"][2:]})
     config = open(os.path.join(runs["resumed_full"], "config.json")).read()
     assert '"hf_fsdp2' not in config  # the export names no internal attention
+    assert full["generate_same"]  # greedy tokens of the trained sharded model = its export loaded unsharded

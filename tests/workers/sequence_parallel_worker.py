@@ -97,6 +97,17 @@ def build(opts: argparse.Namespace) -> Trainer:
     if opts.mode == "plain":
         model = AutoModelForCausalLM.from_pretrained(opts.model, attn_implementation=opts.attn)
         return Trainer(model, args, **common)
+    if opts.mode == "dpo":  # refused: DPO scores whole rows' log-probs
+        from trl import DPOConfig
+
+        from hf_fsdp2.trl import FSDP2DPOTrainer
+
+        dpo = DPOConfig(**{**args.to_dict(), "output_dir": opts.out}, max_length=32)
+        pairs = Dataset.from_dict({"prompt": ["t5 t6"] * 8, "chosen": [" t7 t8"] * 8, "rejected": [" t9 t3"] * 8})
+        return FSDP2DPOTrainer(
+            opts.model, args=dpo, train_dataset=pairs, processing_class=tiny_tokenizer(),
+            fsdp2_config=fsdp2_config(opts),
+        )  # fmt: skip
     if opts.mode == "sft":
         from trl import SFTConfig
 
@@ -133,7 +144,7 @@ def digest(trainer: Trainer) -> float:
 
 def run(argv: list[str]) -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=["plain", "ours", "sft", "probe"], required=True)
+    parser.add_argument("--mode", choices=["plain", "ours", "sft", "dpo", "probe"], required=True)
     parser.add_argument("--model", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--sp", type=int, default=1)
@@ -161,6 +172,11 @@ def run(argv: list[str]) -> None:
     result = {"losses": losses, "eval_loss": eval_loss, "digest": digest(trainer)}
     config = (trainer.model.get_base_model() if opts.lora else trainer.model).config
     result["attn_implementation"] = config._attn_implementation
+    if opts.export:  # generate on the trained (sharded) model = generate on its exported folder, unsharded
+        prompt = torch.tensor([[5, 9, 14, 3, 22]])
+        sharded = trainer.model.generate(prompt, max_new_tokens=8, do_sample=False)
+        exported = AutoModelForCausalLM.from_pretrained(opts.out).generate(prompt, max_new_tokens=8, do_sample=False)
+        result["generate_same"] = sharded.tolist() == exported.tolist()
     write(opts.out, result)
 
 
