@@ -9,7 +9,7 @@ state made at the first step. tokens/s counts every rank's tokens over the steps
 use the same loss_chunk_size.
 
 Usage:
-    python scripts/benchmark.py --long-context                        # 2 CPU ranks, rows of 2k..16k tokens
+    python scripts/benchmark.py --long-context                        # 2 CPU ranks, rows of 8k..32k tokens
     python scripts/benchmark_long_context.py --seqs 4096,8192 --budget-mib 600 --json lc.json --png lc.png
 """
 
@@ -29,8 +29,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--sp", type=int, default=2, help="sequence_parallel_size compared with 1")
-    parser.add_argument("--seqs", default="2048,4096,8192,16384", help="row lengths of the curve")
-    parser.add_argument("--budget-mib", type=float, default=None, help="default: N=1's peak at the second-longest")
+    parser.add_argument("--seqs", default="8192,16384,32768", help="row lengths of the curve")
+    parser.add_argument("--budget-mib", type=float, default=None, help="default: 1.1 x N=1 peak at the second-longest")
     parser.add_argument("--max-seq", type=int, default=32768, help="longest row tried when searching the budget")
     parser.add_argument("--doc", type=int, default=0, help="tokens per packed document (0: one per row)")
     parser.add_argument("--hidden", type=int, default=128)
@@ -38,11 +38,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=8000)
-    parser.add_argument("--loss-chunk", type=int, default=1024)
+    parser.add_argument("--loss-chunk", type=int, default=256)
     parser.add_argument("--steps", type=int, default=3, help="steps per point; the first is not timed")
     parser.add_argument("--workdir", default="/tmp/hf_fsdp2_long_context")
     parser.add_argument("--json", default=None)
     parser.add_argument("--png", default=None)
+    parser.add_argument("--from-json", default=None, help="print the README block of a --json file, run nothing")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # "SEQ,N"
     return parser.parse_args(argv)
 
@@ -208,6 +209,17 @@ def table(points: dict, sizes: tuple[int, int]) -> list[str]:
     return lines
 
 
+def render_markdown(saved: dict) -> str:
+    """The README block of a saved run: its setting, the table and the budget line."""
+    a = saved["args"]
+    head = (
+        f"Llama {a['layers']} x {a['hidden']} ({a['heads']} heads, {a['kv_heads']} kv), vocab {a['vocab']}, "
+        f"{a['nproc']} ranks, one row per rank per step, loss_chunk_size {a['loss_chunk']} in both settings; peak: "
+        "training peak per rank above what was resident before training (worst rank)."
+    )
+    return "\n".join([head, "", *saved["table"]])
+
+
 def plot(points: dict, sizes: tuple[int, int], budget: float, path: str) -> None:
     """Peak and tokens/s against row length, one line per setting, the budget as a dashed line."""
     import matplotlib
@@ -235,6 +247,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.worker is not None:
         return worker(args)
+    if args.from_json:
+        with open(args.from_json) as f:
+            print(render_markdown(json.load(f)))
+        return None
     os.makedirs(args.workdir, exist_ok=True)
     if not os.path.isfile(os.path.join(args.workdir, "model", "config.json")):
         build(os.path.join(args.workdir, "model"), args)
@@ -242,7 +258,7 @@ def main(argv: list[str] | None = None) -> None:
     seqs = [int(s) for s in args.seqs.split(",")]
     print(f"Llama {args.layers} x {args.hidden} ({args.heads} heads, {args.kv_heads} kv), {args.nproc} ranks:")
     points = {(seq, size): measure(args, seq, size) for seq in seqs for size in sizes}
-    budget = args.budget_mib or 1.05 * points[(seqs[-2] if len(seqs) > 1 else seqs[-1], 1)]["peak_mib"]
+    budget = args.budget_mib or 1.10 * points[(seqs[-2] if len(seqs) > 1 else seqs[-1], 1)]["peak_mib"]
     longest = {size: longest_within(args, size, budget, points) for size in sizes}
     lines = table(points, sizes)
     lines.append("")

@@ -166,3 +166,16 @@ def test_readme_performance_tables_are_the_committed_measurement():
     begin, end = "<!-- benchmark:begin -->\n", "<!-- benchmark:end -->"
     block = readme[readme.index(begin) + len(begin) : readme.index(end)]
     assert block.strip() == render_markdown(summary).strip()
+
+
+def test_readme_long_context_table_is_the_committed_measurement():
+    """The README's sequence-parallelism table is rendered from scripts/results/long_context.json, never typed:
+    re-render with `python scripts/benchmark.py --long-context --from-json scripts/results/long_context.json`."""
+    from benchmark_long_context import render_markdown as render_long_context
+
+    with open(os.path.join(ROOT, "scripts", "results", "long_context.json")) as f:
+        saved = json.load(f)
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    begin, end = "<!-- long-context:begin -->\n", "<!-- long-context:end -->"
+    block = readme[readme.index(begin) + len(begin) : readme.index(end)]
+    assert block.strip() == render_long_context(saved).strip()

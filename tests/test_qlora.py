@@ -17,7 +17,7 @@ pytest.importorskip("torchao", reason="the 'qlora' extra")
 
 # The worker also has "compile" (compile=True on the NF4 base; 2 ranks match one process): not run here, its
 # 36 s of inductor compilation on 2 CPU cores would push the suite past its 10-minute aim.
-SCENARIOS = ("bnb_config", "switch", "resume", "merged", "sft", "dpo", "checkpointing")
+SCENARIOS = ("bnb_config", "switch", "resume", "merged", "sft", "dpo", "checkpointing", "sequence_parallel")
 
 
 @pytest.fixture(scope="module")

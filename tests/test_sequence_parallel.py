@@ -21,7 +21,7 @@ TOL = 1e-5
 WORKER = "sequence_parallel_worker.py"
 # The same global batch of 4 rows per step: 1 process x 4, 2 ranks x 2, 4 ranks x 1.
 PER_RANK = {0: "4", 2: "2", 4: "1"}
-FAMILIES = ["mistral_window", "qwen2_window", "qwen3", "gemma"]
+FAMILIES = ["mistral_window", "qwen2_window", "qwen3", "gemma", "gemma3_text"]
 
 
 # ---- pure logic ------------------------------------------------------------------------------------------
@@ -142,6 +142,8 @@ def runs(tmp_path_factory, tiny):
             "sp1_lora": _run(llama, 2, "ours", "--lora"),
             "sft_sp2": _run(llama, 2, "sft", "--sp", "2"),
             "sft_sp1": _run(llama, 2, "sft"),
+            "sft_packing_sp2": _run(llama, 2, "sft", "--sp", "2", "--sft-packing"),
+            "sft_packing_sp1": _run(llama, 2, "sft", "--sft-packing"),
             "dpo_sp2": _run(llama, 2, "dpo", "--sp", "2"),
             "probe": ["--mode", "probe", "--model", llama, "--sp", "2"],
             **{f"sp2_{f}": _run(tiny(f), 2, "ours", "--sp", "2") for f in FAMILIES},
@@ -150,6 +152,7 @@ def runs(tmp_path_factory, tiny):
         4: {
             "sp2x2": _run(llama, 4, "ours", "--sp", "2"),
             "sp4": _run(llama, 4, "ours", "--sp", "4"),  # 2 kv heads for 4 ranks: replicated
+            "sp2_hsdp": _run(llama, 4, "ours", "--sp", "2", "--hsdp", "2"),
             "probe4": ["--mode", "probe", "--model", llama, "--sp", "4"],
         },
     }
@@ -182,6 +185,7 @@ def _same_losses(got: dict, ref: dict, tol: float = TOL) -> None:
         ("sp2", "plain"),
         ("sp2x2", "plain"),
         ("sp4", "plain"),
+        ("sp2_hsdp", "plain"),
         ("sp2_flash_kwargs", "plain"),
         ("sp2_padded", "plain_padded"),
         ("sp2_eager", "plain_eager"),
@@ -203,6 +207,7 @@ def test_the_switch_changes_no_loss_and_no_eval_loss_on_the_same_ranks(runs):
     assert abs(on["eval_loss"] - off["eval_loss"]) <= TOL
     _same_losses(_result(runs, "sp2_lora"), _result(runs, "sp1_lora"))
     _same_losses(_result(runs, "sft_sp2"), _result(runs, "sft_sp1"))
+    _same_losses(_result(runs, "sft_packing_sp2"), _result(runs, "sft_packing_sp1"))
 
 
 @pytest.mark.parametrize("name", ["probe", "probe4"])

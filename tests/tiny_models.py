@@ -78,10 +78,17 @@ def sequence_parallel_family(family: str) -> PreTrainedModel:
         "qwen2": dict(use_sliding_window=True, sliding_window=8, max_window_layers=1),  # layer 1 slides
         "qwen3": dict(head_dim=8),
         "gemma": dict(head_dim=8),
+        # Gemma 3: a sliding layer then a global one, q/k norms, its own attention scaling.
+        "gemma3_text": dict(head_dim=8, sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
     }[family]
-    name = {"mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma": "Gemma"}[family]
-    config = getattr(transformers, f"{name}Config")(**TEXT_SHAPE, **extra)
-    return getattr(transformers, f"{name}ForCausalLM")(config)
+    config_class, model_class = {
+        "mistral": ("MistralConfig", "MistralForCausalLM"),
+        "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+        "gemma": ("GemmaConfig", "GemmaForCausalLM"),
+        "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    }[family]
+    return getattr(transformers, model_class)(getattr(transformers, config_class)(**TEXT_SHAPE, **extra))
 
 
 BUILDERS: dict[str, Callable[[], PreTrainedModel]] = {
@@ -96,6 +103,7 @@ BUILDERS: dict[str, Callable[[], PreTrainedModel]] = {
     "qwen2_window": lambda: sequence_parallel_family("qwen2"),
     "qwen3": lambda: sequence_parallel_family("qwen3"),
     "gemma": lambda: sequence_parallel_family("gemma"),
+    "gemma3_text": lambda: sequence_parallel_family("gemma3_text"),
 }
 
 

@@ -63,6 +63,7 @@ def nf4_weights(model: torch.nn.Module) -> list[str]:
 OPTIONS: dict[str, dict[str, Any]] = {
     "switch": dict(base_quantization="nf4"),
     "checkpointing": dict(fsdp_activation_checkpointing=True),
+    "sequence_parallel": dict(sequence_parallel_size=2),  # right-padded rows split across the 2 ranks
     "compile": dict(compile=True),
 }
 
@@ -180,6 +181,7 @@ SCENARIOS = {
     "merged": merged,
     "bnb_config": lambda: train("bnb_config"),
     "switch": lambda: train("switch", route="switch"),
+    "sequence_parallel": lambda: train("sequence_parallel"),
     "resume": resume,
     "resume_elsewhere": resume_elsewhere,
     "checkpointing": lambda: train("checkpointing"),

@@ -85,6 +85,7 @@ def fsdp2_config(opts: argparse.Namespace) -> FSDP2Config:
         fsdp_activation_checkpointing=opts.checkpointing,
         consolidate_on_train_end=opts.export,
         checkpoint_on_signals=[],
+        hsdp_replicate_size=opts.hsdp,
     )
 
 
@@ -113,7 +114,9 @@ def build(opts: argparse.Namespace) -> Trainer:
 
         from hf_fsdp2.trl import FSDP2SFTTrainer
 
-        sft = SFTConfig(**{**args.to_dict(), "output_dir": opts.out}, padding_free=True, max_length=None)
+        # padding_free: each batch's examples in one row; packing: TRL's best-fit packing into rows of 64 tokens.
+        packing = dict(packing=True, max_length=64) if opts.sft_packing else dict(padding_free=True, max_length=None)
+        sft = SFTConfig(**{**args.to_dict(), "output_dir": opts.out}, **packing)
         sft.model_init_kwargs = {"attn_implementation": opts.attn}
         text = Dataset.from_dict({"input_ids": data["input_ids"]})
         return FSDP2SFTTrainer(
@@ -157,6 +160,8 @@ def run(argv: list[str]) -> None:
     parser.add_argument("--loss-chunk", type=int, default=None)
     parser.add_argument("--checkpointing", action="store_true")
     parser.add_argument("--lora", action="store_true")
+    parser.add_argument("--hsdp", type=int, default=1)
+    parser.add_argument("--sft-packing", action="store_true")
     parser.add_argument("--export", action="store_true")
     parser.add_argument("--save-steps", type=int, default=0)
     parser.add_argument("--resume", default=None)
