@@ -19,6 +19,7 @@ from .callbacks import ConsolidateCallback  # noqa: E402
 from .config import FSDP2Config
 from .consolidate import consolidate
 from .distributed import close_distributed, start_restarted_worker
+from .gathered import gathered
 from .memory_plan import plan
 from .model import prepare_model
 from .skeleton import from_pretrained
@@ -32,6 +33,7 @@ __all__ = [
     "close_distributed",
     "consolidate",
     "from_pretrained",
+    "gathered",
     "plan",
     "prepare_model",
 ]

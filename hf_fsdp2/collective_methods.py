@@ -2,7 +2,8 @@
 
 A sharded model holds only this rank's slices, so `PreTrainedModel.save_pretrained` (and `push_to_hub`, which
 calls it) would write shards as if they were whole tensors, and `generate` runs forwards that all-gather
-from every rank. Here `save_pretrained` becomes the streamed export `trainer.save_model` writes, and both
+from every rank (once per call here: `gathered`, unless the gathered model would not fit). Here `save_pretrained`
+becomes the streamed export `trainer.save_model` writes, and both
 first check that every rank joined: a call on one rank only (`if is_world_process_zero(): ...`) fails within
 `JOIN_TIMEOUT_S` naming the fix, instead of hanging in a collective the other ranks never enter.
 """
@@ -13,11 +14,17 @@ import functools
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
+from .distributed import warn_rank0
+from .gathered import free_memory, gathered, gathered_bytes
+
 # How long a rank waits for the others at a collective method before it names the problem.
 JOIN_TIMEOUT_S = 60
+# The share of free memory the gathered model may take; the rest is for the KV cache and activations.
+GENERATION_HEADROOM = 0.7
 _cpu_groups: dict[str, Any] = {}
 
 
@@ -52,8 +59,9 @@ def all_ranks_join(what: str) -> None:
         ) from error
 
 
-def attach_collective_methods(model: nn.Module) -> None:
-    """Give the sharded `model` a save_pretrained that writes the streamed export, and a guarded generate.
+def attach_collective_methods(model: nn.Module, gather_for_generate: bool = True) -> None:
+    """Give the sharded `model` a save_pretrained that writes the streamed export, and a guarded generate that
+    gathers every unit once per call (`gather_for_generate`, when the gathered model fits).
 
     NOTE: collective (it may create the gloo group the checks use).
     """
@@ -64,7 +72,8 @@ def attach_collective_methods(model: nn.Module) -> None:
     model.__dict__["save_pretrained"] = functools.partial(_save_pretrained, model)
     generate = getattr(model, "generate", None)
     if callable(generate):
-        model.__dict__["generate"] = functools.wraps(generate)(functools.partial(_generate, generate))
+        call = functools.partial(_generate, generate, model if gather_for_generate else None)
+        model.__dict__["generate"] = functools.wraps(generate)(call)
 
 
 def _save_pretrained(
@@ -77,7 +86,27 @@ def _save_pretrained(
     save_pretrained_sharded(model, str(save_directory), max_shard_size=max_shard_size)
 
 
-def _generate(generate: Any, *args: Any, **kwargs: Any) -> Any:
-    """The model's own generate, once every rank has called it."""
+def _generate(generate: Any, model: nn.Module | None, *args: Any, **kwargs: Any) -> Any:
+    """The model's own generate, once every rank has called it; with `model`, inside `gathered(model)` when the
+    gathered model fits on every rank (else per-token gathering, said once)."""
     all_ranks_join("generate")
-    return generate(*args, **kwargs)
+    if model is None or not _gathered_fits(model):
+        return generate(*args, **kwargs)
+    with gathered(model):
+        return generate(*args, **kwargs)
+
+
+def _gathered_fits(model: nn.Module) -> bool:
+    """True when every rank has room for the whole model in its compute dtype (the same answer on every rank)."""
+    need = gathered_bytes(model)
+    fits = torch.tensor([1 if need <= GENERATION_HEADROOM * free_memory() else 0])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(fits, op=dist.ReduceOp.MIN, group=cpu_group())
+    if not fits.item() and not getattr(model, "_hf_fsdp2_said_per_token", False):
+        model._hf_fsdp2_said_per_token = True
+        warn_rank0(
+            "generate: the gathered model (%.1f GiB in its compute dtype) would not fit beside what this rank holds; "
+            "gathering each unit per token instead (slower). FSDP2Config(gather_for_generate=False) says so upfront.",
+            need / 2**30,
+        )
+    return bool(fits.item())

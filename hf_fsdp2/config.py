@@ -142,6 +142,15 @@ class FSDP2Config:
             "(4096) unless set. Evaluation and generate run unsplit."
         },
     )
+    gather_for_generate: bool = field(
+        default=True,
+        metadata={
+            "help": "generate() on the sharded model (yours, Seq2SeqTrainer's, TRL's) gathers every unit once per "
+            "call and reshards after, instead of once per new token: much faster, and holds the whole model in its "
+            "compute dtype on each rank while it runs. When that would not fit, it gathers per token, saying so "
+            "once. False: always per token (least memory). For your own inference: `with hf_fsdp2.gathered(model)`."
+        },
+    )
     defer_gradient_sync: bool = field(
         default=False,
         metadata={

@@ -73,6 +73,7 @@ def planned_runs(tiny) -> list[tuple[str, int, tuple[str, ...], str]]:
         (tiny("llama"), 2, ("--task", "classify"), ""),
         (tiny("llama"), 0, ("--generate",), "generate-1"),
         (tiny("llama"), 2, ("--generate",), "generate-2"),
+        (tiny("llama"), 2, ("--generate", "--per-token-generate"), "generate-2-per-token"),
     ]
     return runs
 
@@ -158,3 +159,10 @@ def test_generate_on_the_sharded_model_matches_one_process(out_root, tiny):
     got, _ = train(out_root, tiny("llama"), 2, "--generate", name="generate-2")
     assert len(got["generated"][0]) == 4 + 5
     assert got["generated"] == ref["generated"]
+    # Gathered once per generate, not once per token: one all-gather per unit with parameters (root included).
+    assert 0 < got["all_gathers_in_generate"] <= got["units"]
+    assert got["resharded_after_generate"] == got["resharded_after_forward"]  # training's settings, put back
+    assert got["sharded_after_generate"]
+    per_token, _ = train(out_root, tiny("llama"), 2, "--generate", "--per-token-generate", name="generate-2-per-token")
+    assert per_token["generated"] == ref["generated"]
+    assert per_token["all_gathers_in_generate"] >= 5 * got["all_gathers_in_generate"]  # the blocks, every token

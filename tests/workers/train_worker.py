@@ -7,6 +7,7 @@ trained state dict) into --out, so tests can compare runs with different world s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 
@@ -82,6 +83,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--evaluate-first", action="store_true")
     p.add_argument("--user-optimizer", action="store_true")
     p.add_argument("--generate", action="store_true")
+    p.add_argument("--per-token-generate", action="store_true", help="FSDP2Config(gather_for_generate=False)")
     p.add_argument("--task", default="causal", choices=["causal", "classify"])
     p.add_argument("--data", default="random", choices=["random", "pattern"])
     p.add_argument("--save-steps", type=int, default=0, help="0: no checkpoints")
@@ -250,6 +252,7 @@ def train(argv: list[str]) -> None:
         min_num_params=1000,
         async_save=args.async_save,
         merge_adapters_on_save=args.merge_adapters,
+        gather_for_generate=not args.per_token_generate,
     )
     if args.kill_in_save:
         kill_inside_save(args.kill_in_save)
@@ -291,13 +294,49 @@ def train(argv: list[str]) -> None:
         result["logits"] = trainer.model(input_ids=probe).logits.float().cpu().tolist()
     if args.generate:
         prompt = torch.tensor([[5, 6, 7, 8]], device=training_args.device)
-        with torch.no_grad():
+        with torch.no_grad(), _counting_all_gathers() as gathers:
             result["generated"] = trainer.model.generate(prompt, max_new_tokens=5, do_sample=False).tolist()
+        units = [m for m in trainer.model.modules() if isinstance(m, FSDPModule)]
+        groups = [m._get_fsdp_state()._fsdp_param_group for m in units]
+        result["all_gathers_in_generate"] = gathers[0]
+        result["units"] = len(units)
+        result["resharded_after_generate"] = {
+            name or "<root>": module._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info is not None
+            for name, module in trainer.model.named_modules()
+            if isinstance(module, FSDPModule) and module._get_fsdp_state()._fsdp_param_group is not None
+        }
+        result["sharded_after_generate"] = not any(g.is_unsharded for g in groups if g is not None)
     weights = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if int(os.environ.get("RANK", "0")) == 0:
         torch.save({k: v.float() for k, v in weights.items()}, os.path.join(args.out, "weights.pt"))
         with open(os.path.join(args.out, "result.json"), "w") as f:
             json.dump(result, f)
+
+
+@contextlib.contextmanager
+def _counting_all_gathers():
+    """Count torch.distributed's all-gather calls (FSDP2's parameter gathers) inside the block."""
+    import torch.distributed as dist
+
+    count = [0]
+    # torch 2.13's FSDP2 gathers through all_gather_single; earlier ones through all_gather_into_tensor.
+    names = ("all_gather_into_tensor", "all_gather_single")
+    originals = {name: getattr(dist, name) for name in names if hasattr(dist, name)}
+
+    def counting(original):
+        def counted(*a, **k):
+            count[0] += 1
+            return original(*a, **k)
+
+        return counted
+
+    for name, original in originals.items():
+        setattr(dist, name, counting(original))
+    try:
+        yield count
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
 
 
 def main() -> None:

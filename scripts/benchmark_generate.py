@@ -1,0 +1,197 @@
+"""Greedy generate() on a model sharded by hf_fsdp2 against the same model unsharded in one process.
+
+The sharded model runs on N ranks (torchrun), each rank generating for its own batch of prompts: once with every
+unit gathered once per call (the default, FSDP2Config(gather_for_generate=True)) and once gathering per token
+(gather_for_generate=False, what FSDP2 does by itself). The unsharded model, in one process, generates for
+every rank's batch, one batch at a time; its time per batch is the reference. Tokens must be identical. The
+peak is the rise of the resident high-water mark during the gathered generate (CPU: VmHWM reset first; GPU:
+max_memory_allocated), worst rank, beside the bytes the gathered model adds.
+
+Usage:
+    python scripts/benchmark_generate.py                     # 8 x 512 Llama, 2 ranks, batch 8, 32 new tokens
+    python scripts/benchmark_generate.py --json gen.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+from measure_load_memory import vm_kib  # scripts/ is this script's import path
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", type=int, default=2, help="ranks of the sharded run")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--vocab", type=int, default=16000)
+    parser.add_argument("--batch", type=int, default=8, help="prompts per rank")
+    parser.add_argument("--prompt", type=int, default=16, help="prompt tokens")
+    parser.add_argument("--new", type=int, default=32, help="new tokens")
+    parser.add_argument("--repeats", type=int, default=3, help="timed generates per setting (after a warm-up)")
+    parser.add_argument("--workdir", default="/tmp/hf_fsdp2_generate")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # "sharded" | "unsharded"
+    return parser.parse_args(argv)
+
+
+def build(path: str, args: argparse.Namespace) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=int(2.75 * args.hidden),
+        num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=8, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+
+
+def prompts(args: argparse.Namespace, rank: int):
+    import torch
+
+    g = torch.Generator().manual_seed(100 + rank)
+    return torch.randint(3, args.vocab, (args.batch, args.prompt), generator=g)
+
+
+def timed(generate, ids, args: argparse.Namespace) -> tuple[list[float], list]:
+    """A warm-up, then `repeats` timed greedy generates; the tokens of the last."""
+    import torch
+
+    with torch.no_grad():
+        generate(ids, max_new_tokens=args.new, do_sample=False, min_new_tokens=args.new)
+        times, out = [], None
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            out = generate(ids, max_new_tokens=args.new, do_sample=False, min_new_tokens=args.new)
+            times.append(time.perf_counter() - start)
+    return times, out.tolist()
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    import hf_fsdp2
+    from hf_fsdp2.gathered import gathered_bytes
+
+    path = os.path.join(args.workdir, "model")
+    if args.worker == "unsharded":
+        model = AutoModelForCausalLM.from_pretrained(path).eval()
+        result = {"times": [], "tokens": []}
+        for rank in range(args.ranks):
+            times, tokens = timed(model.generate, prompts(args, rank), args)
+            result["times"] += times
+            result["tokens"].append(tokens)
+        _write(args, "unsharded", result)
+        return
+    if args.worker == "unsharded_at_once":  # what N independent processes (DDP's replicas) get on this machine
+        from hf_fsdp2.distributed import init_distributed
+
+        init_distributed()
+        model = AutoModelForCausalLM.from_pretrained(path).eval()
+        times, _ = timed(model.generate, prompts(args, dist.get_rank()), args)
+        rows = [None] * dist.get_world_size()
+        dist.all_gather_object(rows, times)
+        if dist.get_rank() == 0:
+            _write(args, "unsharded_at_once", {"times": [max(r[i] for r in rows) for i in range(len(times))]})
+        return
+    results = {}
+    for gather in (True, False):
+        config = hf_fsdp2.FSDP2Config(gather_for_generate=gather)
+        model = hf_fsdp2.prepare_model(hf_fsdp2.from_pretrained(path), config).eval()
+        ids = prompts(args, dist.get_rank())
+        before = _reset_peak()
+        times, tokens = timed(model.generate, ids, args)
+        rows = [None] * dist.get_world_size()
+        dist.all_gather_object(rows, {"times": times, "tokens": tokens, "peak": _peak() - before})
+        results["gathered" if gather else "per_token"] = {
+            "times": [max(r["times"][i] for r in rows) for i in range(len(times))],  # the slowest rank
+            "tokens": [r["tokens"] for r in rows],
+            "peak_mib": max(r["peak"] for r in rows) / 2**20,
+            "gathered_mib": gathered_bytes(model) / 2**20,
+        }
+        del model
+    if dist.get_rank() == 0:
+        _write(args, "sharded", results)
+
+
+def _write(args: argparse.Namespace, name: str, result: dict) -> None:
+    with open(os.path.join(args.workdir, f"{name}.json"), "w") as f:
+        json.dump(result, f)
+
+
+def _reset_peak() -> int:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return vm_kib("VmRSS") * 1024
+
+
+def _peak() -> int:
+    import torch
+
+    return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else vm_kib("VmHWM") * 1024
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.worker:
+        return worker(args)
+    os.makedirs(args.workdir, exist_ok=True)
+    if not os.path.isfile(os.path.join(args.workdir, "model", "config.json")):
+        build(os.path.join(args.workdir, "model"), args)
+    flags = [x for n in ("layers", "hidden", "vocab", "batch", "prompt", "new", "repeats", "workdir", "ranks")
+             for x in (f"--{n}", str(getattr(args, n)))]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    quiet = dict(check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run([sys.executable, __file__, "--worker", "unsharded", *flags], **quiet)
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.ranks}"]
+    subprocess.run([*launcher, __file__, "--worker", "sharded", *flags], **quiet)
+    subprocess.run([*launcher, __file__, "--worker", "unsharded_at_once", *flags], **quiet)
+    with open(os.path.join(args.workdir, "unsharded_at_once.json")) as f:
+        at_once = json.load(f)
+    with open(os.path.join(args.workdir, "unsharded.json")) as f:
+        reference = json.load(f)
+    with open(os.path.join(args.workdir, "sharded.json")) as f:
+        sharded = json.load(f)
+    one = statistics.median(reference["times"])
+    print(
+        f"Llama {args.layers} x {args.hidden}, vocab {args.vocab}: greedy generate of {args.new} tokens, "
+        f"batch {args.batch} x {args.prompt}-token prompts per rank, {args.ranks} ranks vs one process"
+    )
+    both = statistics.median(at_once["times"])
+    print(f"| setting | median s (min-max) | vs one process | vs {args.ranks} unsharded processes | same tokens | "
+          "peak during generate (MiB) |")  # fmt: skip
+    print("|---|---:|---:|---:|---|---:|")
+    print(f"| unsharded, one process (per batch) | {one:.3f} ({min(reference['times']):.3f}-"
+          f"{max(reference['times']):.3f}) | 1.00x | - | - | - |")  # fmt: skip
+    print(f"| unsharded, {args.ranks} processes at once (each its batch) | {both:.3f} ({min(at_once['times']):.3f}-"
+          f"{max(at_once['times']):.3f}) | {both / one:.2f}x | 1.00x | - | - |")  # fmt: skip
+    for name, label in (("gathered", "sharded, gathered once per generate"), ("per_token", "sharded, per token")):
+        r = sharded[name]
+        median = statistics.median(r["times"])
+        same = r["tokens"] == reference["tokens"]
+        print(
+            f"| {label} | {median:.3f} ({min(r['times']):.3f}-{max(r['times']):.3f}) | {median / one:.2f}x | "
+            f"{median / both:.2f}x | {'yes' if same else '**no**'} | {r['peak_mib']:.0f} |"
+        )
+    print(f"\nThe gathered model adds {sharded['gathered']['gathered_mib']:.0f} MiB per rank while generate runs.")
+    if args.json:
+        with open(args.json, "w") as f:
+            saved = {"args": vars(args), "unsharded": reference, "unsharded_at_once": at_once, "sharded": sharded}
+            json.dump(saved, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
