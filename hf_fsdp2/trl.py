@@ -1,20 +1,22 @@
-"""TRL's trainers with FSDP2: `FSDP2SFTTrainer` and `FSDP2DPOTrainer` (install the extra: `hf_fsdp2[trl]`).
+"""TRL's trainers with FSDP2: `FSDP2SFTTrainer`, `FSDP2DPOTrainer` and `FSDP2GRPOTrainer` (install the extra:
+`hf_fsdp2[trl]`).
 
 Each is `FSDP2Mixin` placed before the TRL trainer, so what TRL does to the model in its own `__init__`
 (`get_peft_model` for `peft_config`, its fused LM head) happens on the unsharded skeleton, and DPO's
-reference model is sharded too (frozen, no optimizer state) instead of replicated on every rank.
+reference model is sharded too (frozen, no optimizer state) instead of replicated on every rank. GRPO's generation
+goes through the sharded model's `generate`, which gathers every unit once per call (`hf_fsdp2.gathered`).
 """
 
 from __future__ import annotations
 
 try:
-    from trl import DPOTrainer, SFTTrainer
+    from trl import DPOTrainer, GRPOTrainer, SFTTrainer
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError("hf_fsdp2.trl needs TRL, which is an optional extra: pip install 'hf_fsdp2[trl]'") from error
 
 from .trainer import FSDP2Mixin
 
-__all__ = ["FSDP2DPOTrainer", "FSDP2SFTTrainer"]
+__all__ = ["FSDP2DPOTrainer", "FSDP2GRPOTrainer", "FSDP2SFTTrainer"]
 
 
 class FSDP2SFTTrainer(FSDP2Mixin, SFTTrainer):
@@ -25,4 +27,12 @@ class FSDP2DPOTrainer(FSDP2Mixin, DPOTrainer):
     """`trl.DPOTrainer` whose policy and reference models are sharded with FSDP2.
 
     With a PEFT policy there is no separate reference model: TRL disables the adapters to get it.
+    """
+
+
+class FSDP2GRPOTrainer(FSDP2Mixin, GRPOTrainer):
+    """`trl.GRPOTrainer` (online RL: generate, score, update) whose policy is sharded with FSDP2.
+
+    Completions are generated on the sharded policy with every unit gathered once per generation; with `beta > 0`
+    the reference model is sharded frozen, as DPO's; with `peft_config`, checkpoints hold the adapter only.
     """

@@ -1,0 +1,60 @@
+"""TRL GRPO (online RL) through FSDP2GRPOTrainer at 2 ranks (tests/workers/grpo_worker.py): the reward of a
+learnable toy task rises, the per-token log-probs GRPO computes equal a one-process GRPOTrainer's, the reference
+model (beta > 0) is sharded frozen, and LoRA trains with adapter-only checkpoints."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from tests.launch import run
+
+pytest.importorskip("trl", reason="the 'trl' extra")
+
+
+@pytest.fixture(scope="module")
+def grpo(tmp_path_factory, tiny) -> dict[str, dict]:
+    out = tmp_path_factory.mktemp("grpo")
+    run("grpo_worker.py", 0, "plain", str(out), tiny("llama"), "logps", timeout=600)
+    run("grpo_worker.py", 2, "fsdp2", str(out), tiny("llama"), timeout=900)
+    results = {}
+    for name in ("plain-1", "fsdp2-2"):
+        with open(os.path.join(out, f"{name}.json")) as f:
+            results[name] = json.load(f)
+    return results
+
+
+def _ok(result: dict) -> dict:
+    assert "error" not in result, result.get("traceback")
+    return result
+
+
+def test_grpo_at_two_ranks_raises_the_reward_of_a_learnable_task(grpo):
+    full = _ok(grpo["fsdp2-2"]["full"])
+    assert full["sharded"]
+    rewards = full["rewards"]
+    assert len(rewards) == 30
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert first < 0.65 and last > 0.85 and last > first + 0.25, rewards  # random ~0.47, learned 1.0
+
+
+def test_grpo_log_probs_of_fixed_completions_equal_one_process(grpo):
+    ours, reference = _ok(grpo["fsdp2-2"]["logps"])["logps"], _ok(grpo["plain-1"]["logps"])["logps"]
+    pairs = [pair for row, ref_row in zip(ours, reference, strict=True) for pair in zip(row, ref_row, strict=True)]
+    diff = max(abs(a - b) for a, b in pairs)
+    assert diff <= 1e-5
+
+
+def test_grpo_reference_model_is_sharded_frozen(grpo):
+    reference = _ok(grpo["fsdp2-2"]["reference"])
+    assert reference["ref_sharded"] and reference["ref_trainable"] == 0
+    assert reference["kl"][0] == 0.0 and reference["kl"][-1] > 0  # the policy moved away from the reference
+
+
+def test_grpo_with_lora_trains_the_adapters_and_checkpoints_only_them(grpo):
+    lora = _ok(grpo["fsdp2-2"]["lora"])
+    assert lora["lora_b_abs_sum"] > 0
+    assert "adapter_model.safetensors" in lora["files"] and "optimizer_0" in lora["files"]
+    assert "pytorch_model_fsdp_0" not in lora["files"]
