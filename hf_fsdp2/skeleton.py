@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSeq2SeqLM
 
 SOURCE_ATTR = "_hf_fsdp2_source"
 # from_pretrained kwargs that shape the model object rather than its config.
@@ -39,7 +39,8 @@ def from_pretrained(path: str | os.PathLike, auto_class: Any = None, **kwargs: A
     `FSDP2Trainer` loads each rank's part of the weights after sharding. Keyword arguments are those of
     `from_pretrained` (`dtype`, `attn_implementation`, `trust_remote_code`, config overrides such as
     `num_labels`). Without `auto_class`: `AutoModelForCausalLM`, or `AutoModelForImageTextToText` for a
-    vision-language model (whose config the causal-LM class does not take).
+    vision-language model, or `AutoModelForSeq2SeqLM` for an encoder-decoder (T5, BART): the first that takes
+    the config.
     """
     path = os.fspath(path)
     rng_state = torch.random.get_rng_state()
@@ -89,8 +90,8 @@ def default_auto_class(path: str, trust_remote_code: bool = False) -> Any:
 
 
 def auto_class_for(config: Any) -> Any:
-    """Causal LM, else image-text-to-text when that is the Auto class that maps `config`."""
-    for auto_class in (AutoModelForCausalLM, AutoModelForImageTextToText):
+    """Causal LM, else image-text-to-text, else sequence-to-sequence LM: the first Auto class that maps `config`."""
+    for auto_class in (AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSeq2SeqLM):
         if type(config) in auto_class._model_mapping:
             return auto_class
     return AutoModelForCausalLM  # its own error names the config class and the ones it takes

@@ -1,5 +1,5 @@
-"""TRL's trainers with FSDP2: `FSDP2SFTTrainer`, `FSDP2DPOTrainer` and `FSDP2GRPOTrainer` (install the extra:
-`hf_fsdp2[trl]`).
+"""TRL's trainers with FSDP2: `FSDP2SFTTrainer`, `FSDP2DPOTrainer`, `FSDP2GRPOTrainer` and `FSDP2RLOOTrainer`
+(install the extra: `hf_fsdp2[trl]`).
 
 Each is `FSDP2Mixin` placed before the TRL trainer, so what TRL does to the model in its own `__init__`
 (`get_peft_model` for `peft_config`, its fused LM head) happens on the unsharded skeleton, and DPO's
@@ -10,13 +10,13 @@ goes through the sharded model's `generate`, which gathers every unit once per c
 from __future__ import annotations
 
 try:
-    from trl import DPOTrainer, GRPOTrainer, SFTTrainer
+    from trl import DPOTrainer, GRPOTrainer, RLOOTrainer, SFTTrainer
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError("hf_fsdp2.trl needs TRL, which is an optional extra: pip install 'hf_fsdp2[trl]'") from error
 
 from .trainer import FSDP2Mixin
 
-__all__ = ["FSDP2DPOTrainer", "FSDP2GRPOTrainer", "FSDP2SFTTrainer"]
+__all__ = ["FSDP2DPOTrainer", "FSDP2GRPOTrainer", "FSDP2RLOOTrainer", "FSDP2SFTTrainer"]
 
 
 class FSDP2SFTTrainer(FSDP2Mixin, SFTTrainer):
@@ -36,3 +36,7 @@ class FSDP2GRPOTrainer(FSDP2Mixin, GRPOTrainer):
     Completions are generated on the sharded policy with every unit gathered once per generation; with `beta > 0`
     the reference model is sharded frozen, as DPO's; with `peft_config`, checkpoints hold the adapter only.
     """
+
+
+class FSDP2RLOOTrainer(FSDP2Mixin, RLOOTrainer):
+    """`trl.RLOOTrainer` (REINFORCE leave-one-out) whose policy is sharded with FSDP2, as `FSDP2GRPOTrainer`."""

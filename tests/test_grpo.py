@@ -58,3 +58,8 @@ def test_grpo_with_lora_trains_the_adapters_and_checkpoints_only_them(grpo):
     assert lora["lora_b_abs_sum"] > 0
     assert "adapter_model.safetensors" in lora["files"] and "optimizer_0" in lora["files"]
     assert "pytorch_model_fsdp_0" not in lora["files"]
+
+
+def test_rloo_through_the_mixin_raises_the_reward_too(grpo):
+    rewards = _ok(grpo["fsdp2-2"]["rloo"])["rewards"]
+    assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.15, rewards

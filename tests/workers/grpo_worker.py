@@ -39,7 +39,7 @@ def prompts(n: int = 512) -> Dataset:
     return Dataset.from_dict({"prompt": [f"t{5 + i % 40} t{6 + i % 40}" for i in range(n)]})
 
 
-def config(name: str, **overrides: Any) -> GRPOConfig:
+def config(name: str, kind: type = GRPOConfig, **overrides: Any) -> GRPOConfig:
     values: dict[str, Any] = dict(
         output_dir=os.path.join(RUN_DIR, name), per_device_train_batch_size=GLOBAL_BATCH // WORLD,
         num_generations=4, max_completion_length=8, learning_rate=3e-2, max_steps=30, logging_steps=1,
@@ -48,7 +48,7 @@ def config(name: str, **overrides: Any) -> GRPOConfig:
         bf16=False, gradient_checkpointing=False,
     )  # fmt: skip
     values.update(overrides)
-    return GRPOConfig(**values)
+    return kind(**values)
 
 
 def trainer(name: str, **kwargs: Any) -> GRPOTrainer:
@@ -114,7 +114,24 @@ def logps() -> dict[str, Any]:
     return {"logps": values.float().tolist()}
 
 
-SCENARIOS = {"full": full, "lora": lora, "reference": reference, "logps": logps}
+def rloo() -> dict[str, Any]:
+    """RLOO through the mixin (FSDP2RLOOTrainer), the same task: its reward rises too."""
+    from trl import RLOOConfig, RLOOTrainer
+
+    common = dict(model=MODEL, reward_funcs=reward_low_half, train_dataset=prompts(), processing_class=tiny_tokenizer())
+    if MODE == "plain":
+        run = RLOOTrainer(args=config("rloo", RLOOConfig), **common)
+    else:
+        from hf_fsdp2 import FSDP2Config
+        from hf_fsdp2.trl import FSDP2RLOOTrainer
+
+        fsdp2 = FSDP2Config(consolidate_on_train_end=False, checkpoint_on_signals=[])
+        run = FSDP2RLOOTrainer(args=config("rloo", RLOOConfig), fsdp2_config=fsdp2, **common)
+    run.train()
+    return {"rewards": rewards(run)}
+
+
+SCENARIOS = {"full": full, "lora": lora, "reference": reference, "logps": logps, "rloo": rloo}
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
