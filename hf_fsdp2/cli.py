@@ -62,6 +62,9 @@ def _add_plan_parser(commands: Any) -> None:
         metavar="N",
         help="FSDP2Config(sequence_parallel_size=N): N ranks share each row (--loss-chunk-size 4096 unless given)",
     )
+    plan.add_argument(
+        "--generate", type=int, default=0, metavar="N", help="add generate() of N new tokens after --seq-token prompts"
+    )
     plan.add_argument("--cpu-offload", action="store_true")
     plan.add_argument("--optim", default="adamw_torch_fused", help="TrainingArguments.optim (default: Trainer's)")
     plan.add_argument("--device-memory", default=None, help="memory per rank, e.g. 80GiB (default: detected)")
@@ -112,7 +115,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         loss_chunk_size=FSDP2Config(
             loss_chunk_size=args.loss_chunk_size, sequence_parallel_size=args.sequence_parallel
         ).effective_loss_chunk_size,
-        sequence_parallel=args.sequence_parallel,
+        sequence_parallel=args.sequence_parallel, generate_tokens=args.generate,
         activation_checkpointing=args.activation_checkpointing, cpu_offload=args.cpu_offload, optim=args.optim,
         device_memory=parse_size(args.device_memory) if args.device_memory else None, cpu=args.cpu,
     )  # fmt: skip

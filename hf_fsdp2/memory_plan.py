@@ -70,6 +70,8 @@ class PlanRequest:
     loss_chunk_size: int | None = None
     # FSDP2Config(sequence_parallel_size): N ranks share each row (each traces a slice of seq / N tokens).
     sequence_parallel: int = 1
+    # generate() of this many new tokens after prompts of `seq` tokens (0: no generation phase), gathered once.
+    generate_tokens: int = 0
 
     @property
     def on_cpu(self) -> bool:
@@ -138,6 +140,7 @@ class ModelSizes:
     # QLoRA: NF4 elements in the largest unit, and the largest NF4 weight (dequantized whole in each F.linear).
     largest_unit_nf4_numel: int = 0
     largest_nf4_numel: int = 0
+    params_numel: int = 0  # every parameter's elements (the gathered model of generate)
 
 
 def plan(
@@ -157,6 +160,7 @@ def plan(
     qlora: bool = False,
     loss_chunk_size: int | None = None,
     sequence_parallel: int = 1,
+    generate_tokens: int = 0,
 ) -> MemoryPlan:
     """Plan a run of `model` (a folder, a config.json, or the model object itself: a PreTrainedModel, a meta
     skeleton or a PeftModel, whose LoRA rank and targets are used unless `lora_r` is given): per-rank bytes
@@ -172,7 +176,7 @@ def plan(
     request = PlanRequest(
         "", nproc, hsdp, bf16, lora_r, targets, batch, seq, activation_checkpointing,
         cpu_offload, optim, device_memory, cpu, qlora=qlora, loss_chunk_size=loss_chunk_size,
-        sequence_parallel=sequence_parallel,
+        sequence_parallel=sequence_parallel, generate_tokens=generate_tokens,
     )  # fmt: skip
     if isinstance(model, nn.Module):
         request = _request_for_object(request, model)
@@ -277,6 +281,7 @@ def skeleton_sizes(config: Any, lora: Any, bf16: bool, nf4_shards: int | None = 
     trainable = [p for p in model.parameters() if p.requires_grad]
     return ModelSizes(
         params_bytes=int(sum(p.numel() * stored[id(p)] for p in model.parameters())),
+        params_numel=sum(p.numel() for p in model.parameters()),
         trainable_numel=sum(p.numel() for p in trainable),
         trainable_bytes=sum(p.numel() * stored[id(p)] for p in trainable),
         buffers_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
@@ -432,7 +437,31 @@ def phases_for(request: PlanRequest, sizes: ModelSizes, activations: int) -> lis
         Phase("export (save_model)", {**resident, "gathered tensor": 2 * sizes.largest_tensor_bytes, **runtime}),
         Phase("offline consolidation", {"read + write buffers": 2 * sizes.largest_tensor_bytes}, where="host"),
     ]
+    if request.generate_tokens:
+        phases.append(
+            Phase("generation (gathered once per call)", {**resident, **_generation(request, sizes), **runtime})
+        )
     return phases
+
+
+def _generation(request: PlanRequest, sizes: ModelSizes) -> dict[str, int]:
+    """What generate() adds to the resident state: the whole model gathered in the compute dtype (less the own
+    shard), the KV cache of prompts + new tokens, and the prefill's largest temporaries (one MLP's, fp32 logits of
+    the last position)."""
+    compute = 2 if request.bf16 else sizes.load_dtype.itemsize
+    text = sizes.config.get_text_config()
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    tokens = request.batch * (request.seq + request.generate_tokens)
+    shard = request.nproc // request.hsdp
+    intermediate = getattr(text, "intermediate_size", None) or 4 * text.hidden_size
+    return {
+        "gathered model": sizes.params_numel * compute - sizes.params_numel * compute // shard,
+        "KV cache": tokens * text.num_hidden_layers * 2 * kv_heads * head_dim * compute,
+        "prefill temporaries": request.batch * request.seq * 3 * intermediate * compute
+        + request.batch * text.vocab_size * 4,
+    }
 
 
 def detect_device_memory(nproc: int) -> int:

@@ -60,12 +60,13 @@ def prompts(args: argparse.Namespace, rank: int):
     return torch.randint(3, args.vocab, (args.batch, args.prompt), generator=g)
 
 
-def timed(generate, ids, args: argparse.Namespace) -> tuple[list[float], list]:
-    """A warm-up, then `repeats` timed greedy generates; the tokens of the last."""
+def timed(generate, ids, args: argparse.Namespace, warm: bool = True) -> tuple[list[float], list]:
+    """A warm-up (unless `warm` is False: done already), then `repeats` timed greedy generates; the last's tokens."""
     import torch
 
     with torch.no_grad():
-        generate(ids, max_new_tokens=args.new, do_sample=False, min_new_tokens=args.new)
+        if warm:
+            generate(ids, max_new_tokens=args.new, do_sample=False, min_new_tokens=args.new)
         times, out = [], None
         for _ in range(args.repeats):
             start = time.perf_counter()
@@ -75,6 +76,7 @@ def timed(generate, ids, args: argparse.Namespace) -> tuple[list[float], list]:
 
 
 def worker(args: argparse.Namespace) -> None:
+    import torch
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
@@ -107,8 +109,10 @@ def worker(args: argparse.Namespace) -> None:
         config = hf_fsdp2.FSDP2Config(gather_for_generate=gather)
         model = hf_fsdp2.prepare_model(hf_fsdp2.from_pretrained(path), config).eval()
         ids = prompts(args, dist.get_rank())
+        with torch.no_grad():  # the warm-up: first-call allocations (lazy imports, thread pools) are not generate's
+            model.generate(ids, max_new_tokens=args.new, do_sample=False, min_new_tokens=args.new)
         before = _reset_peak()
-        times, tokens = timed(model.generate, ids, args)
+        times, tokens = timed(model.generate, ids, args, warm=False)
         rows = [None] * dist.get_world_size()
         dist.all_gather_object(rows, {"times": times, "tokens": tokens, "peak": _peak() - before})
         results["gathered" if gather else "per_token"] = {
@@ -142,6 +146,19 @@ def _peak() -> int:
     import torch
 
     return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else vm_kib("VmHWM") * 1024
+
+
+def planned_mib(args: argparse.Namespace) -> float:
+    """What `hf-fsdp2 plan --generate` adds above the resident shards (gathered model, KV cache, prefill)."""
+    from hf_fsdp2.memory_plan import plan
+
+    result = plan(
+        os.path.join(args.workdir, "model"), nproc=args.ranks, batch=args.batch, seq=args.prompt,
+        generate_tokens=args.new, device_memory=2**40,
+    )  # fmt: skip
+    phase = next(p for p in result.phases if p.name.startswith("generation"))
+    added = ("gathered model", "KV cache", "prefill temporaries")
+    return sum(v for k, v in phase.parts.items() if k in added) / 2**20
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -186,7 +203,12 @@ def main(argv: list[str] | None = None) -> None:
             f"| {label} | {median:.3f} ({min(r['times']):.3f}-{max(r['times']):.3f}) | {median / one:.2f}x | "
             f"{median / both:.2f}x | {'yes' if same else '**no**'} | {r['peak_mib']:.0f} |"
         )
-    print(f"\nThe gathered model adds {sharded['gathered']['gathered_mib']:.0f} MiB per rank while generate runs.")
+    planned = planned_mib(args)
+    measured = sharded["gathered"]["peak_mib"]
+    print(f"\nThe gathered model adds {sharded['gathered']['gathered_mib']:.0f} MiB per rank while generate runs; "
+          f"the planner's generation phase adds {planned:.0f} MiB above the shards: {planned / measured:.2f} of the "
+          "measured gathered peak.")  # fmt: skip
+    sharded["planned_mib"] = planned
     if args.json:
         with open(args.json, "w") as f:
             saved = {"args": vars(args), "unsharded": reference, "unsharded_at_once": at_once, "sharded": sharded}

@@ -367,3 +367,22 @@ def test_sequence_parallelism_plans_one_ranks_slice_with_its_all_to_all_buffers(
         plan(str(tmp_path / "llama"), seq=2048, sequence_parallel=3, **args)
     assert main(["plan", str(tmp_path / "llama"), "--nproc", "2", "--seq", "2048", "--sequence-parallel", "2"]) == 0
     assert "rows split across 2 ranks" in capsys.readouterr().out
+
+
+def test_a_generation_phase_holds_the_gathered_model_and_the_kv_cache(tmp_path, capsys):
+    """`--generate N`: the whole model in the compute dtype beside the shards, and the KV cache of every token."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2,
+    ).save_pretrained(tmp_path / "llama")  # fmt: skip
+    args = dict(nproc=2, batch=4, seq=16, device_memory=2**40, cpu=True)
+    assert not any(p.name.startswith("generation") for p in plan(str(tmp_path / "llama"), **args).phases)
+    phase = next(p for p in plan(str(tmp_path / "llama"), generate_tokens=8, **args).phases if p.name.startswith("gen"))
+    layer = 2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128 + 2 * 64  # q, o; k, v (2 kv heads x 16); MLP; norms
+    numel = 2 * 512 * 64 + 2 * layer + 64  # embeddings and head, 2 layers, final norm
+    assert phase.parts["gathered model"] == numel * 4 - numel * 4 // 2  # fp32, less the own half
+    assert phase.parts["KV cache"] == 4 * (16 + 8) * 2 * 2 * 2 * 16 * 4  # rows x tokens x layers x k,v x heads x dim
+    assert main(["plan", str(tmp_path / "llama"), "--nproc", "2", "--generate", "8", "--cpu"]) == 0
+    assert "generation (gathered once per call)" in capsys.readouterr().out
