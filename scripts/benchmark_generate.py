@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 
-from measure_load_memory import vm_kib  # scripts/ is this script's import path
+from measure_load_memory import peak_bytes, reset_peak  # scripts/ is this script's import path
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -111,10 +111,10 @@ def worker(args: argparse.Namespace) -> None:
         ids = prompts(args, dist.get_rank())
         with torch.no_grad():  # the warm-up: first-call allocations (lazy imports, thread pools) are not generate's
             model.generate(ids, max_new_tokens=args.new, do_sample=False, min_new_tokens=args.new)
-        before = _reset_peak()
+        before = reset_peak()
         times, tokens = timed(model.generate, ids, args, warm=False)
         rows = [None] * dist.get_world_size()
-        dist.all_gather_object(rows, {"times": times, "tokens": tokens, "peak": _peak() - before})
+        dist.all_gather_object(rows, {"times": times, "tokens": tokens, "peak": peak_bytes() - before})
         results["gathered" if gather else "per_token"] = {
             "times": [max(r["times"][i] for r in rows) for i in range(len(times))],  # the slowest rank
             "tokens": [r["tokens"] for r in rows],
@@ -129,23 +129,6 @@ def worker(args: argparse.Namespace) -> None:
 def _write(args: argparse.Namespace, name: str, result: dict) -> None:
     with open(os.path.join(args.workdir, f"{name}.json"), "w") as f:
         json.dump(result, f)
-
-
-def _reset_peak() -> int:
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
-        return torch.cuda.memory_allocated()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return vm_kib("VmRSS") * 1024
-
-
-def _peak() -> int:
-    import torch
-
-    return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else vm_kib("VmHWM") * 1024
 
 
 def planned_mib(args: argparse.Namespace) -> float:

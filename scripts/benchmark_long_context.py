@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 
-from measure_load_memory import vm_kib  # scripts/ is this script's import path
+from measure_load_memory import peak_bytes, reset_peak  # scripts/ is this script's import path
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -97,9 +97,9 @@ def worker(args: argparse.Namespace) -> None:
             times.append(time.perf_counter())
 
     trainer = hf_fsdp2.FSDP2Trainer(path, training, train_dataset=data, fsdp2_config=config, callbacks=[Clock()])
-    before = _reset_peak()
+    before = reset_peak()
     trainer.train()
-    peak = _peak() - before
+    peak = peak_bytes() - before
     steps = [end - start for start, end in zip(times[::2], times[1::2], strict=True)]
     row = {"peak_mib": peak / 2**20, "before_mib": before / 2**20, "steps_s": steps}
     rows: list = [None] * world
@@ -116,24 +116,6 @@ def worker(args: argparse.Namespace) -> None:
         }
         with open(os.path.join(args.workdir, f"result-{seq}-{size}.json"), "w") as f:
             json.dump(result, f)
-
-
-def _reset_peak() -> int:
-    """Bytes resident now, with the high-water mark reset to now (CPU: /proc/self/clear_refs 5)."""
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
-        return torch.cuda.memory_allocated()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return vm_kib("VmRSS") * 1024
-
-
-def _peak() -> int:
-    import torch
-
-    return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else vm_kib("VmHWM") * 1024
 
 
 def measure(args: argparse.Namespace, seq: int, size: int) -> dict:

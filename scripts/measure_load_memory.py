@@ -30,6 +30,25 @@ def vm_kib(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
+def reset_peak() -> int:
+    """Bytes resident now, with the high-water mark reset to now (GPU: allocated; CPU: /proc/self/clear_refs 5)."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return vm_kib("VmRSS") * 1024
+
+
+def peak_bytes() -> int:
+    """The high-water mark since the last `reset_peak` (GPU: max allocated; CPU: VmHWM)."""
+    import torch
+
+    return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else vm_kib("VmHWM") * 1024
+
+
 def build_model(path: str, layers: int, hidden: int = 768, vocab: int = 16000, tied: bool = False) -> int:
     """Save a Llama (fp32; 12 layers of 768 = ~100M parameters) under `path` once; return its size in bytes."""
     import torch
