@@ -36,6 +36,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--new", type=int, default=32, help="new tokens")
     parser.add_argument("--repeats", type=int, default=3, help="timed generates per setting (after a warm-up)")
     parser.add_argument("--workdir", default="/tmp/hf_fsdp2_generate")
+    parser.add_argument("--grpo-steps", type=int, default=4, help="GRPO steps per setting (0: skip the GRPO rows)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # "sharded" | "unsharded"
     return parser.parse_args(argv)
@@ -75,6 +76,68 @@ def timed(generate, ids, args: argparse.Namespace, warm: bool = True) -> tuple[l
     return times, out.tolist()
 
 
+def tokenizer(vocab: int):
+    """A word-level tokenizer over the model's vocabulary ('t0'..), built locally: nothing is downloaded."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"t{i}": i for i in range(3, vocab)}}
+    backend = Tokenizer(models.WordLevel(vocab=words, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+
+
+def grpo_worker(args: argparse.Namespace) -> None:
+    """GRPO steps (generate 4 completions per prompt, score, update): plain TRL in one process or sharded."""
+    import torch.distributed as dist
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    half = args.vocab // 2
+
+    def reward(completions, **kwargs):
+        return [
+            sum(w[1:].isdigit() and int(w[1:]) < half for w in c.split()) / max(len(c.split()), 1) for c in completions
+        ]
+
+    prompts = Dataset.from_dict(
+        {"prompt": [" ".join(f"t{3 + (i * 7 + j) % 900}" for j in range(args.prompt)) for i in range(256)]}
+    )
+    config = GRPOConfig(
+        os.path.join(args.workdir, "grpo"), per_device_train_batch_size=args.batch * args.ranks // world,
+        num_generations=4, max_completion_length=args.new, max_steps=args.grpo_steps, learning_rate=1e-5,
+        logging_steps=1, report_to=[], use_cpu=True, save_strategy="no", seed=0, disable_tqdm=True, bf16=False,
+        gradient_checkpointing=False,
+    )  # fmt: skip
+    times: list[float] = []
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, *a, **k):
+            times.append(time.perf_counter())
+
+        def on_step_end(self, *a, **k):
+            times[-1] = time.perf_counter() - times[-1]
+
+    common = dict(reward_funcs=reward, args=config, train_dataset=prompts, processing_class=tokenizer(args.vocab),
+                  callbacks=[Clock()])  # fmt: skip
+    path = os.path.join(args.workdir, "model")
+    if args.worker == "grpo_plain":
+        GRPOTrainer(model=path, **common).train()
+        _write(args, "grpo_plain", {"step_s": times})
+        return
+    import hf_fsdp2
+    from hf_fsdp2.trl import FSDP2GRPOTrainer
+
+    fsdp2 = hf_fsdp2.FSDP2Config(consolidate_on_train_end=False, checkpoint_on_signals=[])
+    FSDP2GRPOTrainer(model=path, fsdp2_config=fsdp2, **common).train()
+    rows = [None] * world
+    dist.all_gather_object(rows, times)
+    if dist.get_rank() == 0:
+        _write(args, "grpo_sharded", {"step_s": [max(r[i] for r in rows) for i in range(len(times))]})
+
+
 def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
@@ -83,6 +146,8 @@ def worker(args: argparse.Namespace) -> None:
     import hf_fsdp2
     from hf_fsdp2.gathered import gathered_bytes
 
+    if args.worker.startswith("grpo"):
+        return grpo_worker(args)
     path = os.path.join(args.workdir, "model")
     if args.worker == "unsharded":
         model = AutoModelForCausalLM.from_pretrained(path).eval()
@@ -151,8 +216,8 @@ def main(argv: list[str] | None = None) -> None:
     os.makedirs(args.workdir, exist_ok=True)
     if not os.path.isfile(os.path.join(args.workdir, "model", "config.json")):
         build(os.path.join(args.workdir, "model"), args)
-    flags = [x for n in ("layers", "hidden", "vocab", "batch", "prompt", "new", "repeats", "workdir", "ranks")
-             for x in (f"--{n}", str(getattr(args, n)))]  # fmt: skip
+    names = ("layers", "hidden", "vocab", "batch", "prompt", "new", "repeats", "workdir", "ranks", "grpo_steps")
+    flags = [x for n in names for x in (f"--{n.replace('_', '-')}", str(getattr(args, n)))]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     quiet = dict(check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     subprocess.run([sys.executable, __file__, "--worker", "unsharded", *flags], **quiet)
@@ -192,6 +257,19 @@ def main(argv: list[str] | None = None) -> None:
           f"the planner's generation phase adds {planned:.0f} MiB above the shards: {planned / measured:.2f} of the "
           "measured gathered peak.")  # fmt: skip
     sharded["planned_mib"] = planned
+    if args.grpo_steps:
+        subprocess.run([sys.executable, __file__, "--worker", "grpo_plain", *flags], **quiet)
+        subprocess.run([*launcher, __file__, "--worker", "grpo_sharded", *flags], **quiet)
+        grpo = {}
+        for name in ("grpo_plain", "grpo_sharded"):
+            with open(os.path.join(args.workdir, f"{name}.json")) as f:
+                grpo[name] = statistics.median(json.load(f)["step_s"][1:])  # the first step warms up
+        print(
+            f"\nGRPO step ({args.batch * args.ranks} completions of {args.new} tokens, 4 per prompt, then the update), "
+            f"median of steps 2-{args.grpo_steps}: one process {grpo['grpo_plain']:.2f} s, {args.ranks} ranks sharded "
+            f"{grpo['grpo_sharded']:.2f} s ({grpo['grpo_sharded'] / grpo['grpo_plain']:.2f}x)."
+        )
+        sharded["grpo_step_s"] = grpo
     if args.json:
         with open(args.json, "w") as f:
             saved = {"args": vars(args), "unsharded": reference, "unsharded_at_once": at_once, "sharded": sharded}
