@@ -627,11 +627,12 @@ def _passes_num_items_to_loss(model: nn.Module) -> bool:
     return "**kwargs" in call
 
 
-def _own_compute_loss(trainer: Trainer) -> bool:
-    """True when a class below Trainer other than FSDP2Mixin (TRL's, a user's subclass of FSDP2Trainer or of the
-    trainer it mixes into) defines its own compute_loss: it may read the logits the chunked loss never makes."""
+def _own_compute_loss(trainer: Trainer) -> list[type]:
+    """The classes below Trainer other than FSDP2Mixin (TRL's, a user's subclass of FSDP2Trainer or of the trainer
+    it mixes into) that define their own compute_loss: they may read logits the chunked loss never makes, or whole
+    rows sequence parallelism never holds."""
     mro = type(trainer).__mro__
-    return any("compute_loss" in vars(cls) for cls in mro[: mro.index(Trainer)] if cls is not FSDP2Mixin)
+    return [cls for cls in mro[: mro.index(Trainer)] if "compute_loss" in vars(cls) and cls is not FSDP2Mixin]
 
 
 def _unwrap_peft(model: nn.Module) -> nn.Module:
@@ -645,12 +646,7 @@ def _check_sequence_parallel_trainer(trainer: Trainer) -> None:
     Raises:
         ValueError: naming the trainer class, compute_loss_func or label smoothing.
     """
-    mro = type(trainer).__mro__
-    own = [
-        cls.__name__
-        for cls in mro[: mro.index(Trainer)]
-        if "compute_loss" in vars(cls) and cls is not FSDP2Mixin and cls.__name__ not in _SLICE_AWARE_TRAINERS
-    ]
+    own = [cls.__name__ for cls in _own_compute_loss(trainer) if cls.__name__ not in _SLICE_AWARE_TRAINERS]
     problem = (
         f"{own[0]} computes its own loss from whole rows"
         if own
