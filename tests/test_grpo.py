@@ -63,3 +63,12 @@ def test_grpo_with_lora_trains_the_adapters_and_checkpoints_only_them(grpo):
 def test_rloo_through_the_mixin_raises_the_reward_too(grpo):
     rewards = _ok(grpo["fsdp2-2"]["rloo"])["rewards"]
     assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.15, rewards
+
+
+def test_grpo_with_lora_resumes_with_auto_from_its_adapter_checkpoint(grpo):
+    """Relaunched with resume_from_checkpoint='auto' after step 2: it goes on to step 4, and step 3 (its first) draws
+    and scores the same completions as the uninterrupted run. Later steps draw other samples, in one-process TRL
+    too (measured: plain GRPOTrainer resumed from checkpoint-2 differs from step 4 on as well)."""
+    resume = _ok(grpo["fsdp2-2"]["resume"])
+    assert resume["global_step"] == 4 and resume["checkpoints"] == ["checkpoint-2", "checkpoint-4"]
+    assert resume["resumed"][:3] == resume["whole"][:3]

@@ -89,6 +89,25 @@ def lora() -> dict[str, Any]:
     }
 
 
+def resume() -> dict[str, Any]:
+    """LoRA GRPO stopped after step 2 and relaunched with resume_from_checkpoint='auto', against 4 steps in one go."""
+    targets = ["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"]
+    lora_config = LoraConfig(r=8, lora_alpha=16, target_modules=targets)
+    whole = trainer("resume_whole", peft_config=lora_config, args=dict(max_steps=4))
+    whole.train()
+    first = trainer("resume", peft_config=lora_config, args=dict(max_steps=2, save_strategy="steps", save_steps=2))
+    first.train()
+    again = trainer("resume", peft_config=lora_config, args=dict(max_steps=4, save_strategy="steps", save_steps=2))
+    # "auto" is hf_fsdp2's (the newest complete checkpoint); plain Trainer is given the folder.
+    again.train(resume_from_checkpoint="auto" if MODE == "fsdp2" else os.path.join(RUN_DIR, "resume", "checkpoint-2"))
+    return {
+        "whole": rewards(whole),
+        "resumed": rewards(again),
+        "global_step": again.state.global_step,
+        "checkpoints": sorted(d for d in os.listdir(os.path.join(RUN_DIR, "resume")) if d.startswith("checkpoint")),
+    }
+
+
 def reference() -> dict[str, Any]:
     """beta > 0: a reference model beside the policy, sharded frozen."""
     run = trainer("reference", args=dict(beta=0.04, max_steps=3))
@@ -131,7 +150,7 @@ def rloo() -> dict[str, Any]:
     return {"rewards": rewards(run)}
 
 
-SCENARIOS = {"full": full, "lora": lora, "reference": reference, "logps": logps, "rloo": rloo}
+SCENARIOS = {"full": full, "lora": lora, "resume": resume, "reference": reference, "logps": logps, "rloo": rloo}
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
