@@ -39,7 +39,7 @@ def chunked_causal_lm_loss(
 ) -> torch.Tensor:
     """`ForCausalLMLoss(head(hidden), labels, ...)` without the full logits: chunks of `chunk_size` tokens."""
     if shift_labels is None:
-        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]  # over the whole row, as transformers
+        shift_labels = shifted_labels(labels, ignore_index)
     flat = hidden.reshape(-1, hidden.size(-1))
     targets = shift_labels.reshape(-1).to(flat.device)
     total = flat.new_zeros((), dtype=torch.float32)
@@ -54,6 +54,12 @@ def chunked_causal_lm_loss(
     if torch.is_tensor(num_items_in_batch):
         num_items_in_batch = num_items_in_batch.to(total.device)
     return total / num_items_in_batch
+
+
+def shifted_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Each position's target, the next token's label, shifted over the whole row (the last one ignored), as
+    transformers' ForCausalLMLoss does before it flattens."""
+    return F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
 
 
 def _chunk_loss(

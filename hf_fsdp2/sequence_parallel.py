@@ -21,10 +21,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
+from .chunked_loss import IGNORE_INDEX, shifted_labels
 from .distributed import get_device
 from .ulysses_attention import SUPPORTED_ATTENTION, RowLayout, documents_of
 
-IGNORE_INDEX = -100
 # Decoder-only families whose attention goes through the AttentionInterface with rotary positions from
 # position_ids and no cross-token state outside attention (tested in tests/test_sequence_parallel.py).
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text")
@@ -85,7 +85,7 @@ def split_row(batch: dict[str, torch.Tensor], size: int, rank: int) -> dict[str,
     positions = positions.expand(rows, length)
     shift_labels = batch.get("shift_labels")
     if shift_labels is None and labels is not None:
-        shift_labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # over the whole row, before the cut
+        shift_labels = shifted_labels(labels)  # over the whole row, before the cut
     check_padding(batch.get("attention_mask"), labels)
     pad = -length % size
     padded = {
