@@ -87,11 +87,15 @@ def _save_pretrained(
 
 
 def _generate(generate: Any, model: nn.Module | None, *args: Any, **kwargs: Any) -> Any:
-    """The model's own generate, once every rank has called it; with `model`, inside `gathered(model)` when the
-    gathered model fits on every rank (else per-token gathering, said once)."""
+    """The model's own generate, once every rank has called it; with `model`, inside `gathered(model)` and unsynced
+    when the gathered model fits on every rank (else per-token gathering, said once)."""
     all_ranks_join("generate")
     if model is None or not _gathered_fits(model):
         return generate(*args, **kwargs)
+    # NOTE: synced_gpus (set by transformers for a sharded model, and by Seq2SeqTrainer) keeps every rank running
+    # forwards until all have finished, with an all-reduce per token, so per-token all-gathers stay matched. The
+    # gathered forwards run no collective, so each rank stops when its own rows are done and skips the all-reduces.
+    kwargs["synced_gpus"] = False
     with gathered(model):
         return generate(*args, **kwargs)
 

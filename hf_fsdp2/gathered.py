@@ -54,8 +54,10 @@ _ACTIVE = "_hf_fsdp2_gathered"
 
 
 def gathered_bytes(model: nn.Module) -> int:
-    """Bytes the gathered model adds on this rank: every sharded parameter whole, in its unit's compute dtype,
-    less the shard already held."""
+    """Bytes the gathered model adds on this rank: every sharded parameter whole, in its unit's compute dtype.
+
+    The shards stay allocated beside it (they are the optimizer's parameters), so nothing is subtracted.
+    """
     total = 0
     for unit in model.modules():
         if not isinstance(unit, FSDPModule):
@@ -66,8 +68,8 @@ def gathered_bytes(model: nn.Module) -> int:
                 local = getattr(shard, "_local_tensor", shard)  # a DTensor's numel is the whole tensor's
                 # NF4 bases are gathered in 4 bits (their codes and scalers); dtypes are set at the first forward.
                 per_value = NF4_BYTES_PER_ELEMENT if is_nf4(local) else _compute_dtype(fsdp_param, local).itemsize
-                total += int(fsdp_param._orig_size.numel() * per_value) - int(local.numel() * per_value)
-    return max(total, 0)
+                total += int(fsdp_param._orig_size.numel() * per_value)
+    return total
 
 
 def _compute_dtype(fsdp_param: Any, shard: torch.Tensor) -> torch.dtype:

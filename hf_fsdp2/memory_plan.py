@@ -445,19 +445,18 @@ def phases_for(request: PlanRequest, sizes: ModelSizes, activations: int) -> lis
 
 
 def _generation(request: PlanRequest, sizes: ModelSizes) -> dict[str, int]:
-    """What generate() adds to the resident state: the whole model gathered in the compute dtype (less the own
-    shard), the KV cache of prompts + new tokens, and the prefill's largest temporaries (one MLP's, fp32 logits of
-    the last position)."""
+    """What generate() adds to the resident state: the whole model gathered in the compute dtype (beside the
+    shards, which stay), the KV cache of prompts + new tokens, and the prefill's largest temporaries (one MLP's,
+    fp32 logits of the last position)."""
     compute = 2 if request.bf16 else sizes.load_dtype.itemsize
     text = sizes.config.get_text_config()
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     tokens = request.batch * (request.seq + request.generate_tokens)
-    shard = request.nproc // request.hsdp
     intermediate = getattr(text, "intermediate_size", None) or 4 * text.hidden_size
     return {
-        "gathered model": sizes.params_numel * compute - sizes.params_numel * compute // shard,
+        "gathered model": sizes.params_numel * compute,
         "KV cache": tokens * text.num_hidden_layers * 2 * kv_heads * head_dim * compute,
         "prefill temporaries": request.batch * request.seq * 3 * intermediate * compute
         + request.batch * text.vocab_size * 4,

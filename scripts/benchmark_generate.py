@@ -3,9 +3,11 @@
 The sharded model runs on N ranks (torchrun), each rank generating for its own batch of prompts: once with every
 unit gathered once per call (the default, FSDP2Config(gather_for_generate=True)) and once gathering per token
 (gather_for_generate=False, what FSDP2 does by itself). The unsharded model, in one process, generates for
-every rank's batch, one batch at a time; its time per batch is the reference. Tokens must be identical. The
-peak is the rise of the resident high-water mark during the gathered generate (CPU: VmHWM reset first; GPU:
-max_memory_allocated), worst rank, beside the bytes the gathered model adds.
+every rank's batch, one batch at a time; its time per batch is the reference. Tokens must be identical. Memory,
+worst rank: the peak torch's allocator held above the start of one more (untimed) generate (GPU:
+max_memory_allocated; CPU: the torch profiler's allocation events), which the planner's generation phase is
+compared with, and the rise of the resident high-water mark during the timed calls (CPU: VmHWM, which also keeps
+what the C library holds of freed buffers).
 
 Usage:
     python scripts/benchmark_generate.py                     # 8 x 512 Llama, 2 ranks, batch 8, 32 new tokens
@@ -15,6 +17,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -22,7 +25,7 @@ import subprocess
 import sys
 import time
 
-from measure_load_memory import peak_bytes, reset_peak  # scripts/ is this script's import path
+from measure_load_memory import allocated_peak, peak_bytes, reset_peak  # scripts/ is this script's import path
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -178,12 +181,17 @@ def worker(args: argparse.Namespace) -> None:
             model.generate(ids, max_new_tokens=args.new, do_sample=False, min_new_tokens=args.new)
         before = reset_peak()
         times, tokens = timed(model.generate, ids, args, warm=False)
+        peak = peak_bytes() - before
+        with torch.no_grad():  # untimed: the profiler that counts allocations slows the call down
+            call = functools.partial(model.generate, ids, max_new_tokens=args.new, do_sample=False)
+            allocated = allocated_peak(functools.partial(call, min_new_tokens=args.new))
         rows = [None] * dist.get_world_size()
-        dist.all_gather_object(rows, {"times": times, "tokens": tokens, "peak": peak_bytes() - before})
+        dist.all_gather_object(rows, {"times": times, "tokens": tokens, "peak": peak, "allocated": allocated})
         results["gathered" if gather else "per_token"] = {
             "times": [max(r["times"][i] for r in rows) for i in range(len(times))],  # the slowest rank
             "tokens": [r["tokens"] for r in rows],
             "peak_mib": max(r["peak"] for r in rows) / 2**20,
+            "allocated_peak_mib": max(r["allocated"] for r in rows) / 2**20,
             "gathered_mib": gathered_bytes(model) / 2**20,
         }
         del model
@@ -237,25 +245,26 @@ def main(argv: list[str] | None = None) -> None:
     )
     both = statistics.median(at_once["times"])
     print(f"| setting | median s (min-max) | vs one process | vs {args.ranks} unsharded processes | same tokens | "
-          "peak during generate (MiB) |")  # fmt: skip
-    print("|---|---:|---:|---:|---|---:|")
+          "peak allocated (MiB) | VmHWM rise (MiB) |")  # fmt: skip
+    print("|---|---:|---:|---:|---|---:|---:|")
     print(f"| unsharded, one process (per batch) | {one:.3f} ({min(reference['times']):.3f}-"
-          f"{max(reference['times']):.3f}) | 1.00x | - | - | - |")  # fmt: skip
+          f"{max(reference['times']):.3f}) | 1.00x | - | - | - | - |")  # fmt: skip
     print(f"| unsharded, {args.ranks} processes at once (each its batch) | {both:.3f} ({min(at_once['times']):.3f}-"
-          f"{max(at_once['times']):.3f}) | {both / one:.2f}x | 1.00x | - | - |")  # fmt: skip
+          f"{max(at_once['times']):.3f}) | {both / one:.2f}x | 1.00x | - | - | - |")  # fmt: skip
     for name, label in (("gathered", "sharded, gathered once per generate"), ("per_token", "sharded, per token")):
         r = sharded[name]
         median = statistics.median(r["times"])
         same = r["tokens"] == reference["tokens"]
         print(
             f"| {label} | {median:.3f} ({min(r['times']):.3f}-{max(r['times']):.3f}) | {median / one:.2f}x | "
-            f"{median / both:.2f}x | {'yes' if same else '**no**'} | {r['peak_mib']:.0f} |"
+            f"{median / both:.2f}x | {'yes' if same else '**no**'} | {r['allocated_peak_mib']:.0f} | "
+            f"{r['peak_mib']:.0f} |"
         )
     planned = planned_mib(args)
-    measured = sharded["gathered"]["peak_mib"]
+    measured = sharded["gathered"]["allocated_peak_mib"]
     print(f"\nThe gathered model adds {sharded['gathered']['gathered_mib']:.0f} MiB per rank while generate runs; "
-          f"the planner's generation phase adds {planned:.0f} MiB above the shards: {planned / measured:.2f} of the "
-          "measured gathered peak.")  # fmt: skip
+          f"the planner's generation phase adds {planned:.0f} MiB above the shards: {planned / measured:.2f}x the "
+          "measured peak allocated (the VmHWM rise also holds freed buffers the C library keeps).")  # fmt: skip
     sharded["planned_mib"] = planned
     if args.grpo_steps:
         subprocess.run([sys.executable, __file__, "--worker", "grpo_plain", *flags], **quiet)

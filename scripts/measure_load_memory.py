@@ -49,6 +49,33 @@ def peak_bytes() -> int:
     return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else vm_kib("VmHWM") * 1024
 
 
+def allocated_peak(fn) -> int:
+    """The most bytes torch's allocator held above the start while `fn()` ran (GPU: max allocated; CPU: the torch
+    profiler's allocation events), so freed buffers the C library keeps do not count as they do in VmHWM."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - before
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    # The kineto events keep every allocation and free in time order; prof.events() attributes allocations to ops.
+    changes = sorted(
+        (e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
+    )
+    held = peak = 0
+    for _, nbytes in changes:
+        held += nbytes
+        peak = max(peak, held)
+    return peak
+
+
 def build_model(path: str, layers: int, hidden: int = 768, vocab: int = 16000, tied: bool = False) -> int:
     """Save a Llama (fp32; 12 layers of 768 = ~100M parameters) under `path` once; return its size in bytes."""
     import torch

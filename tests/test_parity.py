@@ -161,8 +161,12 @@ def test_generate_on_the_sharded_model_matches_one_process(out_root, tiny):
     assert got["generated"] == ref["generated"]
     # Gathered once per generate, not once per token: one all-gather per unit with parameters (root included).
     assert 0 < got["all_gathers_in_generate"] <= got["units"]
+    # Unsynced while gathered: no all-reduce per token (the one left is the ranks' agreement that it fits).
+    assert got["all_reduces_in_generate"] <= 1
+    assert got["gathered_bytes"] == got["model_bytes"]  # what the fit check and the planner count: all of it
     assert got["resharded_after_generate"] == got["resharded_after_forward"]  # training's settings, put back
     assert got["sharded_after_generate"]
     per_token, _ = train(out_root, tiny("llama"), 2, "--generate", "--per-token-generate", name="generate-2-per-token")
     assert per_token["generated"] == ref["generated"]
     assert per_token["all_gathers_in_generate"] >= 5 * got["all_gathers_in_generate"]  # the blocks, every token
+    assert per_token["all_reduces_in_generate"] >= 5  # synced_gpus: the ranks agree after every token

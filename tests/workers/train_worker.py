@@ -24,6 +24,7 @@ from transformers import (
 )
 
 from hf_fsdp2 import FSDP2Config, FSDP2Trainer, close_distributed, from_pretrained
+from hf_fsdp2.gathered import gathered_bytes
 from tests.tiny_models import tiny_tokenizer
 from tests.workers.scenarios import PARITY_ADAM_EPSILON, main_with_batches
 
@@ -294,11 +295,14 @@ def train(argv: list[str]) -> None:
         result["logits"] = trainer.model(input_ids=probe).logits.float().cpu().tolist()
     if args.generate:
         prompt = torch.tensor([[5, 6, 7, 8]], device=training_args.device)
-        with torch.no_grad(), _counting_all_gathers() as gathers:
+        with torch.no_grad(), _counting_collectives() as calls:
             result["generated"] = trainer.model.generate(prompt, max_new_tokens=5, do_sample=False).tolist()
         units = [m for m in trainer.model.modules() if isinstance(m, FSDPModule)]
         groups = [m._get_fsdp_state()._fsdp_param_group for m in units]
-        result["all_gathers_in_generate"] = gathers[0]
+        result["all_gathers_in_generate"] = calls["all_gather"]
+        result["all_reduces_in_generate"] = calls["all_reduce"]
+        result["gathered_bytes"] = gathered_bytes(trainer.model)
+        result["model_bytes"] = sum(p.numel() * p.element_size() for p in trainer.model.parameters())  # whole
         result["units"] = len(units)
         result["resharded_after_generate"] = {
             name or "<root>": module._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info is not None
@@ -314,24 +318,24 @@ def train(argv: list[str]) -> None:
 
 
 @contextlib.contextmanager
-def _counting_all_gathers():
-    """Count torch.distributed's all-gather calls (FSDP2's parameter gathers) inside the block."""
+def _counting_collectives():
+    """Count torch.distributed's all-gathers (FSDP2's parameter gathers) and all-reduces inside the block."""
     import torch.distributed as dist
 
-    count = [0]
+    count = {"all_gather": 0, "all_reduce": 0}
     # torch 2.13's FSDP2 gathers through all_gather_single; earlier ones through all_gather_into_tensor.
-    names = ("all_gather_into_tensor", "all_gather_single")
-    originals = {name: getattr(dist, name) for name in names if hasattr(dist, name)}
+    kinds = {"all_gather_into_tensor": "all_gather", "all_gather_single": "all_gather", "all_reduce": "all_reduce"}
+    originals = {name: getattr(dist, name) for name in kinds if hasattr(dist, name)}
 
-    def counting(original):
+    def counting(name, original):
         def counted(*a, **k):
-            count[0] += 1
+            count[kinds[name]] += 1
             return original(*a, **k)
 
         return counted
 
     for name, original in originals.items():
-        setattr(dist, name, counting(original))
+        setattr(dist, name, counting(name, original))
     try:
         yield count
     finally:
