@@ -59,6 +59,10 @@ VARIANTS = [
 ]
 
 
+# Gathered generate beside what training turned on: activation checkpointing, LoRA, compiled blocks.
+GENERATE_WITH = ("--generate", "--ac", "--lora", "q_proj,v_proj", "--compile")
+
+
 def planned_runs(tiny) -> list[tuple[str, int, tuple[str, ...], str]]:
     """Every run this module's tests compare: (model folder, ranks, worker flags, name)."""
     runs = []
@@ -74,6 +78,8 @@ def planned_runs(tiny) -> list[tuple[str, int, tuple[str, ...], str]]:
         (tiny("llama"), 0, ("--generate",), "generate-1"),
         (tiny("llama"), 2, ("--generate",), "generate-2"),
         (tiny("llama"), 2, ("--generate", "--per-token-generate"), "generate-2-per-token"),
+        (tiny("llama"), 0, GENERATE_WITH, "generate-1-with"),
+        (tiny("llama"), 2, GENERATE_WITH, "generate-2-with"),
     ]
     return runs
 
@@ -170,3 +176,12 @@ def test_generate_on_the_sharded_model_matches_one_process(out_root, tiny):
     assert per_token["generated"] == ref["generated"]
     assert per_token["all_gathers_in_generate"] >= 5 * got["all_gathers_in_generate"]  # the blocks, every token
     assert per_token["all_reduces_in_generate"] >= 5  # synced_gpus: the ranks agree after every token
+
+
+def test_generate_gathered_with_checkpointing_lora_and_compiled_blocks(out_root, tiny):
+    ref, _ = train(out_root, tiny("llama"), 0, *GENERATE_WITH, name="generate-1-with")
+    got, _ = train(out_root, tiny("llama"), 2, *GENERATE_WITH, name="generate-2-with")
+    assert got["generated"] == ref["generated"]
+    assert 0 < got["all_gathers_in_generate"] <= got["units"]
+    assert got["sharded_after_generate"]
+    assert got["resharded_after_generate"] == got["resharded_after_forward"]
