@@ -72,3 +72,14 @@ def test_grpo_with_lora_resumes_with_auto_from_its_adapter_checkpoint(grpo):
     resume = _ok(grpo["fsdp2-2"]["resume"])
     assert resume["global_step"] == 4 and resume["checkpoints"] == ["checkpoint-2", "checkpoint-4"]
     assert resume["resumed"][:3] == resume["whole"][:3]
+
+
+def test_online_dpo_through_the_mixin_raises_the_score_at_two_ranks(grpo):
+    """trl.experimental's OnlineDPOTrainer in `class X(FSDP2Mixin, OnlineDPOTrainer)`: policy and reference sharded,
+    the task learned as in one process."""
+    run = _ok(grpo["fsdp2-2"]["online_dpo"])
+    assert run["sharded"] and run["ref_sharded"]
+    scores = run["scores"]
+    assert len(scores) == 20
+    first, last = sum(scores[:5]) / 5, sum(scores[-5:]) / 5
+    assert first < 0.65 and last > 0.85, scores  # random ~0.47, learned 1.0
