@@ -438,29 +438,38 @@ def phases_for(request: PlanRequest, sizes: ModelSizes, activations: int) -> lis
         Phase("offline consolidation", {"read + write buffers": 2 * sizes.largest_tensor_bytes}, where="host"),
     ]
     if request.generate_tokens:
-        phases.append(
-            Phase("generation (gathered once per call)", {**resident, **_generation(request, sizes), **runtime})
-        )
+        gathering, tokens = _generation(request, sizes)
+        phases.append(Phase("generation: gathering (once per call)", {**resident, **gathering, **runtime}))
+        phases.append(Phase("generation: tokens", {**resident, **tokens, **runtime}))
     return phases
 
 
-def _generation(request: PlanRequest, sizes: ModelSizes) -> dict[str, int]:
-    """What generate() adds to the resident state: the whole model gathered in the compute dtype (beside the
-    shards, which stay), the KV cache of prompts + new tokens, and the prefill's largest temporaries (one MLP's,
-    fp32 logits of the last position)."""
+def _generation(request: PlanRequest, sizes: ModelSizes) -> tuple[dict[str, int], dict[str, int]]:
+    """What generate() adds to the resident state while it gathers, then while it makes tokens: the whole model in
+    the compute dtype (beside the shards, which stay); while gathering, the all-gather buffers of the unit in
+    flight (its whole flat output and this rank's copy-in), the largest when every other unit is already in;
+    then the KV cache of prompts + new tokens and the prefill's largest temporaries (one MLP's, fp32 logits of
+    the last position)."""
     compute = 2 if request.bf16 else sizes.load_dtype.itemsize
+    shard = request.nproc // request.hsdp
+    whole = sizes.params_numel * compute
+    # Units are gathered root first: the root's buffers come when little else is in, a block's at the end.
+    root_in_flight = sizes.root_numel * compute * (2 + 1 / shard) - whole
+    block_in_flight = sizes.largest_unit_numel * compute * (1 + 1 / shard)
     text = sizes.config.get_text_config()
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     tokens = request.batch * (request.seq + request.generate_tokens)
     intermediate = getattr(text, "intermediate_size", None) or 4 * text.hidden_size
-    return {
-        "gathered model": sizes.params_numel * compute,
+    gathering = {"gathered model": whole, "all-gather buffers of one unit": int(max(root_in_flight, block_in_flight))}
+    making_tokens = {
+        "gathered model": whole,
         "KV cache": tokens * text.num_hidden_layers * 2 * kv_heads * head_dim * compute,
         "prefill temporaries": request.batch * request.seq * 3 * intermediate * compute
         + request.batch * text.vocab_size * 4,
     }
+    return gathering, making_tokens
 
 
 def detect_device_memory(nproc: int) -> int:

@@ -205,16 +205,17 @@ def _write(args: argparse.Namespace, name: str, result: dict) -> None:
 
 
 def planned_mib(args: argparse.Namespace) -> float:
-    """What `hf-fsdp2 plan --generate` adds above the resident shards (gathered model, KV cache, prefill)."""
+    """What `hf-fsdp2 plan --generate` adds above the resident shards: the larger of its two generation phases
+    (gathering: the model and one unit's all-gather buffers; tokens: the model, KV cache, prefill)."""
     from hf_fsdp2.memory_plan import plan
 
     result = plan(
         os.path.join(args.workdir, "model"), nproc=args.ranks, batch=args.batch, seq=args.prompt,
         generate_tokens=args.new, device_memory=2**40,
     )  # fmt: skip
-    phase = next(p for p in result.phases if p.name.startswith("generation"))
-    added = ("gathered model", "KV cache", "prefill temporaries")
-    return sum(v for k, v in phase.parts.items() if k in added) / 2**20
+    added = ("gathered model", "all-gather buffers of one unit", "KV cache", "prefill temporaries")
+    phases = [p for p in result.phases if p.name.startswith("generation")]
+    return max(sum(v for k, v in p.parts.items() if k in added) for p in phases) / 2**20
 
 
 def main(argv: list[str] | None = None) -> None:
