@@ -148,6 +148,11 @@ def test_trainer_start_logs_the_plan_and_warns_when_it_will_not_fit(tiny, caplog
     data = Dataset.from_dict({"input_ids": [[1] * 32] * 4})
     monkeypatch.setattr(transformers.logging.get_logger(), "propagate", True)  # our lines go to transformers' logger
     caplog.set_level(logging.INFO, logger="hf_fsdp2.distributed")
+    planner.log_memory_plan(model, args, FSDP2Config(), data)  # a tiny model: the bound says enough
+    assert "Memory plan: training needs at most" in caplog.text and "not traced" in caplog.text
+    assert "(batch 2 × seq 32" in caplog.text
+    caplog.clear()
+    monkeypatch.setattr(planner, "activation_bound", lambda request, config: None)  # a model only a trace describes
     planner.log_memory_plan(model, args, FSDP2Config(), data)
     assert "Memory plan: training needs about" in caplog.text and "(batch 2 × seq 32)" in caplog.text
     monkeypatch.setattr(planner, "detect_device_memory", lambda nproc: 1)
@@ -320,7 +325,7 @@ def test_trainer_start_plans_a_qlora_model_with_its_nf4_base(tiny, monkeypatch):
     layer = model.get_base_model().model.layers[0].mlp.up_proj
     layer.weight = torch.nn.Parameter(to_nf4(layer.weight.detach(), 64, 32), requires_grad=False)
     seen = []
-    monkeypatch.setattr(planner, "training_peak_of", lambda request, *a: seen.append(request) or 0)
+    monkeypatch.setattr(planner, "training_peak_of", lambda request, *a, **k: seen.append(request) or (0, True))
     args = TrainingArguments("unused", per_device_train_batch_size=2, use_cpu=True, report_to=[])
     planner.log_memory_plan(model, args, FSDP2Config(), Dataset.from_dict({"input_ids": [[1] * 32] * 4}))
     assert seen and seen[0].qlora
@@ -391,3 +396,15 @@ def test_a_generation_phase_holds_the_gathered_model_and_the_kv_cache(tmp_path, 
     assert tokens.parts["KV cache"] == 4 * (16 + 8) * 2 * 2 * 2 * 16 * 4  # rows x tokens x layers x k,v x heads x dim
     assert main(["plan", str(tmp_path / "llama"), "--nproc", "2", "--generate", "8", "--cpu"]) == 0
     assert "generation: tokens" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen3_moe", "gemma", "qwen3"])
+def test_the_start_bound_holds_what_the_trace_counts(family):
+    """The trainer's start skips the trace only under this bound, so it must never be below the trace."""
+    from hf_fsdp2.memory_plan import _activations, activation_bound, skeleton_sizes
+    from tests.tiny_models import BUILDERS
+
+    sizes = skeleton_sizes(BUILDERS[family]().config, None, False)
+    for batch, seq, checkpointing, chunk in [(1, 16, False, None), (4, 128, False, 64), (2, 128, True, None)]:
+        request = PlanRequest("", batch=batch, seq=seq, activation_checkpointing=checkpointing, loss_chunk_size=chunk)
+        assert _activations(request, sizes, None) <= activation_bound(request, sizes.config)

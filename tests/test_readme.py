@@ -161,7 +161,7 @@ def test_info_lines_appear_at_log_level_info_and_not_by_default(python_snippets)
     """The LoRA snippet sets log_level="info": its memory plan and checkpoint sizes are logged; the minimal
     example keeps transformers' default level (warning): neither line appears."""
     lora, minimal = python_snippets["lora"], python_snippets["minimal"]
-    assert "Memory plan: training needs about" in lora
+    assert re.search(r"Memory plan: training needs (about|at most)", lora)
     assert re.search(r"checkpoint-2: [\d.]+ MiB on disk \(adapter \+ optimizer state\)", lora), lora[-3000:]
     assert "Memory plan" not in minimal and "MiB on disk" not in minimal
     assert "use_cpu" not in minimal, "the CPU process group is taken without a line at the default level"
