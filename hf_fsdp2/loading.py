@@ -257,7 +257,15 @@ def read_safetensors_shards(model: nn.Module, path: str, plan: SafetensorsPlan, 
     rows, then quantized, one weight at a time, so no rank holds more than one dense slice of them)."""
     nf4 = [name for name in plan.keys if is_nf4(_get(model, name))]
     state = {key: _get(model, name) for name, key in plan.keys.items() if name not in nf4}
-    dcp.load(state, storage_reader=SliceReader(path))
+    # NOTE: each rank plans its own reads (no_dist): its shards say which slices it needs, and the checkpoint's
+    # keys and shapes were already agreed in choose_route. DCP's global planning (two object gathers over the
+    # ranks) added nothing but waiting; one agreement afterwards still fails every rank if any rank failed.
+    problem = None
+    try:
+        dcp.load(state, storage_reader=SliceReader(path), no_dist=True)
+    except Exception as error:  # NOTE: raised on every rank just below, so no rank waits for a failed one.
+        problem = f"reading {path}: {type(error).__name__}: {error}"
+    raise_if_any_rank(problem)
     for name in nf4:
         quantized = _read_nf4(_get(model, name), plan.keys[name], path, device)
         module_name, _, leaf = name.rpartition(".")
@@ -311,10 +319,20 @@ def broadcast_buffers(model: nn.Module) -> None:
 
 
 def safetensors_shapes(path: str) -> dict[str, torch.Size] | None:
-    """Shapes of every tensor in a folder's safetensors files, or None if it has none."""
+    """Shapes of every tensor in a folder's safetensors files, or None if it has none.
+
+    Raises:
+        ValueError: when a file's header cannot be read (a truncated or corrupted download), naming the folder.
+    """
     if not os.path.isdir(path) or not glob.glob(os.path.join(path, "*.safetensors")):
         return None
-    metadata = HuggingFaceStorageReader(path).read_metadata()
+    try:
+        metadata = HuggingFaceStorageReader(path).read_metadata()
+    except Exception as error:  # safetensors' own error type; every rank reads the same headers and fails alike
+        raise ValueError(
+            f"reading {path}: its safetensors files cannot be read ({type(error).__name__}: {error}); a truncated "
+            "or corrupted download? Download or save the model again."
+        ) from error
     return {key: md.size for key, md in metadata.state_dict_metadata.items()}
 
 

@@ -16,6 +16,8 @@ Usage:
     python scripts/benchmark.py --quick                     # ~100M Llama, 2 ranks, under 10 min on 2 CPU cores
     python scripts/benchmark.py --long-context [...]        # long rows, sequence_parallel_size 1 vs 2
                                                             # (scripts/benchmark_long_context.py --help)
+    python scripts/benchmark.py --sweep [...]               # load/save/resume/consolidation at 100M, 400M, 1.2B
+                                                            # (scripts/benchmark_sweep.py --help)
     python scripts/benchmark.py --nproc 8 --repeats 3 --json bench.json --png bench.png --markdown bench.md
 
 Memory is VmHWM (peak resident set) above the VmHWM measured right after imports, per rank, so each phase's
@@ -89,6 +91,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--from-json", default=None, help="re-render the tables and chart of a --json file, run nothing"
     )
+    parser.add_argument("--optim", default=None, help=argparse.SUPPRESS)  # the sweep's largest size: sgd
     for hidden in ("--worker", "--system", "--model-path", "--run-dir", "--result", "--checkpoint", "--output"):
         parser.add_argument(hidden, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--samples", type=int, default=None, help=argparse.SUPPRESS)
@@ -130,6 +133,7 @@ def _worker_options(args: argparse.Namespace) -> list[str]:
         "--warmup",
         str(args.warmup),
     ]
+    options += ["--optim", args.optim] if getattr(args, "optim", None) else []
     return options + ([] if args.resume else ["--no-resume"])
 
 
@@ -194,6 +198,11 @@ def _run_options(args: argparse.Namespace) -> dict:
 
 
 def main() -> None:
+    if "--sweep" in sys.argv[1:]:
+        # Load, save, resume and consolidation at three model sizes, against the physical limit: its own script.
+        from benchmark_sweep import main as sweep
+
+        return sweep([a for a in sys.argv[1:] if a != "--sweep"])
     if "--long-context" in sys.argv[1:]:
         # Long rows with and without sequence parallelism: its own script, options and tables.
         from benchmark_long_context import main as long_context

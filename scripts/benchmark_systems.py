@@ -61,6 +61,7 @@ def training_arguments(args: argparse.Namespace, resume: bool, **extra: Any) -> 
         bf16=cuda,
         dataloader_drop_last=True,
         seed=0,
+        **({"optim": args.optim} if getattr(args, "optim", None) else {}),
         **extra,
     )
 

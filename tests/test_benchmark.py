@@ -179,3 +179,54 @@ def test_readme_long_context_table_is_the_committed_measurement():
     begin, end = "<!-- long-context:begin -->\n", "<!-- long-context:end -->"
     block = readme[readme.index(begin) + len(begin) : readme.index(end)]
     assert block.strip() == render_long_context(saved).strip()
+
+
+def test_sweep_sets_each_phase_against_its_physical_limit_on_fixed_numbers():
+    """Limits are the phase's bytes at the measured rates; the table gives seconds, x limit and our ratio."""
+    from benchmark_sweep import add_limits, phase_bytes, render_markdown
+
+    gib = 2**30
+    rates = {"disk_write": 1 * gib, "cached_read": 4 * gib, "memory_copy": 8 * gib}
+    assert phase_bytes(gib, 3 * gib) == {
+        "load_s": (gib, 0), "save_s": (0, 3 * gib), "resume_s": (3 * gib, 0), "consolidate_s": (gib, gib),
+    }  # fmt: skip
+    ours = {"load_s": 0.5, "save_s": 6.0, "resume_s": 1.5, "consolidate_s": 2.5, "checkpoint_bytes": 3 * gib}
+    peer = {"load_s": 1.0, "save_s": 3.0, "resume_s": 3.0, "consolidate_s": 5.0, "checkpoint_bytes": 3 * gib}
+    results = {"1G": {"model_bytes": gib, "notes": ["1G: ddp left out"], "systems": {"hf_fsdp2": ours}}}
+    results["1G"]["systems"].update({"accelerate_fsdp2": dict(peer), "transformers_fsdp2": dict(peer)})
+    add_limits(results, rates)
+    assert ours["load_s_limit"] == 0.25 and ours["load_s_x_limit"] == 2.0  # 1 GiB read at 4 GiB/s
+    assert ours["save_s_limit"] == 3.0 and ours["consolidate_s_limit"] == 1.25
+    markdown = render_markdown({"rates": rates, "nproc": 2, "results": results})
+    assert "| 1G | 1024 | 0.50 (2.0x) | 1.00 (4.0x) | 1.00 (4.0x) | **0.50x** |" in markdown  # load vs native
+    assert "| 1G | 1024 | 6.00 (2.0x) | 3.00 (1.0x) | 3.00 (1.0x) | **2.00x** |" in markdown  # save vs Accelerate
+    assert "1G: ddp left out" in markdown
+
+
+def test_sweep_trains_with_sgd_and_leaves_out_what_would_not_fit(monkeypatch):
+    import benchmark_sweep
+
+    pages = {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": 24 * 2**30 // 4096}
+    monkeypatch.setattr(benchmark_sweep.os, "sysconf", lambda name: pages[name])
+    optim, systems, notes = benchmark_sweep.plan_size("100M", list(benchmark_sweep.SYSTEMS), 2)
+    assert optim == "adamw" and systems == list(benchmark_sweep.SYSTEMS) and not notes
+    optim, systems, notes = benchmark_sweep.plan_size("1.2B", list(benchmark_sweep.SYSTEMS), 2)
+    assert optim == "sgd" and "ddp" not in systems and "hf_fsdp2" in systems
+    assert any("SGD" in n for n in notes) and any("ddp left out" in n for n in notes)
+
+
+def test_sweep_runs_a_tiny_size_end_to_end(tmp_path):
+    """The sweep's own path (sizes, runs, consolidation, limits, table, PNG) on a 2 x 64 Llama, two systems."""
+    out = tmp_path / "sweep.json"
+    command = [sys.executable, os.path.join(SCRIPTS, "benchmark.py"), "--sweep", "--sizes", "2x64",
+               "--systems", "hf_fsdp2,accelerate_fsdp2", "--workdir", str(tmp_path / "work"), "--json", str(out),
+               "--png", str(tmp_path / "sweep.png")]  # fmt: skip
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    saved = json.loads(out.read_text())
+    figures = saved["results"]["2x64"]["systems"]
+    for system in ("hf_fsdp2", "accelerate_fsdp2"):
+        for phase in ("load_s", "save_s", "resume_s", "consolidate_s"):
+            assert figures[system][phase] > 0 and figures[system][f"{phase}_x_limit"] > 0
+    assert (tmp_path / "sweep.png").stat().st_size > 10_000
+    assert "hf_fsdp2 vs transformers_fsdp2" in proc.stdout

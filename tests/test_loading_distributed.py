@@ -187,3 +187,16 @@ def test_bf16_bin_checkpoint_broadcast_into_fp32_masters(tmp_path, tiny):
     state, info = load(tmp_path / "out", str(path), "--route", "from_pretrained", "--bf16")
     assert info["dtypes"] == ["torch.float32"]
     assert_exactly(state, reference(str(path)))
+
+
+def test_truncated_safetensors_fails_on_every_rank_naming_the_file(tmp_path, tiny):
+    """The last third of the file is gone (a download cut short): every rank stops naming the folder and the
+    likely cause, none waits for the others."""
+    import shutil
+
+    cut = tmp_path / "cut"
+    shutil.copytree(tiny("llama"), cut)
+    weights = cut / "model.safetensors"
+    os.truncate(weights, weights.stat().st_size * 2 // 3)
+    output = _fails(tmp_path / "out", str(cut))
+    assert f"reading {cut}: its safetensors files cannot be read" in output and "truncated" in output

@@ -1,0 +1,281 @@
+"""The benchmark's phases that move checkpoint bytes (load, save, resume, consolidation) at three model sizes, every
+system, with each phase's time set against this machine's physical limit for the bytes it moves.
+
+Each size is a Llama of the benchmark's shape (vocab 16000, tied embeddings, fp32): about 100M, 400M and 1.2B
+parameters. Every system loads it, trains 2 steps of 64 tokens saving after each, resumes from the last checkpoint
+(each system its own way, as in `scripts/benchmark.py`), and the sharded systems consolidate it. Where Adam's state
+would not fit this machine's RAM (the optimizer state of every system at 1.2B on 24 GiB), the size trains with
+plain SGD (no optimizer state: the same for every system); where a system would not fit at all (DDP holds the
+whole model, its gradients and its optimizer on every rank) it is left out of that size, and the table says so.
+
+The physical limit of a phase is the time its bytes take at rates the script measures first: writes at the disk's
+fsync'd write rate, reads at the rate of reading a file just written (the page cache: every checkpoint here is read
+right after it was written), and consolidation's read + write the same way. A phase within 1x of its limit moves
+bytes as fast as this machine can; the ratio says how far each system is from that.
+
+Usage:
+    python scripts/benchmark.py --sweep                        # all three sizes (about 25 min on 2 CPU cores)
+    python scripts/benchmark.py --sweep --sizes 100M,400M --json sweep.json --png sweep.png
+    python scripts/benchmark.py --sweep --from-json scripts/results/sweep.json   # re-render, run nothing
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchmark_report import MIB  # noqa: E402
+from measure_load_memory import build_model  # noqa: E402
+
+# name: (layers, hidden); intermediate 8/3 hidden, one head per 64 channels (measure_load_memory.build_model).
+SIZES = {"100M": (12, 768), "400M": (24, 1152), "1.2B": (24, 2048)}
+SYSTEMS = ("hf_fsdp2", "accelerate_fsdp2", "transformers_fsdp2", "ddp")
+PHASES = ("load_s", "save_s", "resume_s", "consolidate_s")
+PEERS = {"load_s": "transformers_fsdp2", "save_s": "accelerate_fsdp2", "resume_s": "accelerate_fsdp2"}
+PEERS["consolidate_s"] = "accelerate_fsdp2"
+# Share of the machine's RAM a run may plan to hold (the rest: page cache, the other processes).
+RAM_SHARE = 0.7
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default=",".join(SIZES), help="comma-separated subset of " + ", ".join(SIZES))
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset of " + ", ".join(SYSTEMS))
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--workdir", default="/tmp/hf_fsdp2_sweep")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--png", default=None, help="cost against model bytes, one line per system and phase")
+    parser.add_argument("--markdown", default=None)
+    parser.add_argument("--from-json", default=None, help="re-render a --json file, run nothing")
+    args = parser.parse_args(argv)
+    for name in args.sizes.split(","):
+        try:
+            shape(name)
+        except ValueError:
+            parser.error(f"unknown size {name!r}; choose from {', '.join(SIZES)} or give LAYERSxHIDDEN (e.g. 2x64)")
+    return args
+
+
+def shape(name: str) -> tuple[int, int]:
+    """(layers, hidden) of a named size, or of "LAYERSxHIDDEN" (the tests' tiny sizes)."""
+    if name in SIZES:
+        return SIZES[name]
+    layers, hidden = name.split("x")
+    return int(layers), int(hidden)
+
+
+def measure_bandwidth(directory: str, nbytes: int = 1 << 30) -> dict[str, float]:
+    """This machine's rates in bytes/s: a file written and fsync'd, the same file read back (page cache), and a
+    memory copy."""
+    import torch
+
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, "bandwidth.bin")
+    block = os.urandom(1 << 24)  # incompressible, 16 MiB written again and again
+    start = time.perf_counter()
+    with open(path, "wb") as f:
+        for _ in range(nbytes // len(block)):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+    write = nbytes / (time.perf_counter() - start)
+    buffer = bytearray(len(block))
+    start = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        while f.readinto(buffer):
+            pass
+    read = nbytes / (time.perf_counter() - start)
+    os.remove(path)
+    source = torch.empty(nbytes // 4, dtype=torch.float32).fill_(1.0)
+    target = torch.empty_like(source)
+    start = time.perf_counter()
+    target.copy_(source)
+    copy = nbytes / (time.perf_counter() - start)
+    return {"disk_write": write, "cached_read": read, "memory_copy": copy}
+
+
+def phase_bytes(model_bytes: int, checkpoint_bytes: int) -> dict[str, tuple[int, int]]:
+    """(bytes read, bytes written) of each phase, all ranks together: the model file is read once whatever the
+    ranks do; a save writes the checkpoint; a resume reads it; consolidation reads the model's part and writes the
+    model."""
+    return {
+        "load_s": (model_bytes, 0),
+        "save_s": (0, checkpoint_bytes),
+        "resume_s": (checkpoint_bytes, 0),
+        "consolidate_s": (model_bytes, model_bytes),
+    }
+
+
+def limit_seconds(read: int, written: int, rates: dict[str, float]) -> float:
+    """The time these bytes take at the measured rates (reads from the page cache, writes to disk)."""
+    return read / rates["cached_read"] + written / rates["disk_write"]
+
+
+def plan_size(name: str, systems: list[str], nproc: int) -> tuple[str, list[str], list[str]]:
+    """The optimizer a size trains with ("adamw" or "sgd") and the systems that fit this machine's RAM, with notes
+    for the table."""
+    layers, hidden = shape(name)
+    params = layers * (4 * hidden * hidden + 3 * hidden * (hidden * 8 // 3)) + 16000 * hidden
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * RAM_SHARE
+    notes = []
+    # Sharded: parameters, gradients and Adam's two states, all fp32, split over the ranks (whole on the machine).
+    optim = "adamw" if 4 * 4 * params <= ram else "sgd"  # adamw: Trainer's default (adamw_torch_fused)
+    if optim == "sgd":
+        notes.append(f"{name}: SGD for every system (Adam's state would not fit {ram / 2**30:.0f} GiB)")
+    states = 2 if optim == "adamw" else 0
+    kept = []
+    for system in systems:
+        whole = (2 + states) * 4 * params * (nproc if system == "ddp" else 1)  # DDP: everything on every rank
+        if whole > ram:
+            notes.append(f"{name}: {system} left out (it would hold {whole / 2**30:.0f} GiB)")
+            continue
+        kept.append(system)
+    return optim, kept, notes
+
+
+def run_size(name: str, args: argparse.Namespace) -> dict:
+    """Every system at one size: load, 2 steps with a save after each, resume, consolidation."""
+    from benchmark import CONSOLIDATES, NO_RESUME, run_consolidation, run_training
+
+    layers, hidden = shape(name)
+    workdir = os.path.join(args.workdir, name)
+    os.makedirs(workdir, exist_ok=True)
+    path = os.path.join(workdir, "model")
+    model_bytes = build_model(path, layers, hidden=hidden, vocab=16000, tied=True)
+    optim, systems, notes = plan_size(name, args.systems.split(","), args.nproc)
+    run_args = argparse.Namespace(
+        workdir=workdir, nproc=args.nproc, steps=2, batch=1, seq_len=64, vocab=16000, samples=3 * args.nproc,
+        warmup=1, resume=True, optim=None if optim == "adamw" else optim,
+    )  # fmt: skip
+    result = {"model_bytes": model_bytes, "optim": optim, "notes": notes, "systems": {}}
+    for system in systems:
+        print(f"  {name}: {system}", flush=True)
+        run = run_training(run_args, system, path, "sweep")
+        figures = {
+            "load_s": max(r["load_s"] for r in run["ranks"]),
+            "load_peak_mib": max(r["load_peak_mib"] for r in run["ranks"]),
+            "save_s": statistics.median(max(s) for s in zip(*(r["save_s"] for r in run["ranks"]), strict=True)),
+            "checkpoint_bytes": run["checkpoint_bytes"],
+        }
+        if system not in NO_RESUME:
+            figures["resume_s"] = max(sum(r["resume_s"]) for r in run["ranks"])
+        if system in CONSOLIDATES:
+            consolidated = run_consolidation(run_args, system, run["checkpoint"], "sweep")
+            figures["consolidate_s"] = consolidated["seconds"]
+            figures["consolidate_peak_mib"] = consolidated["peak_mib"]
+            shutil.rmtree(os.path.join(workdir, f"consolidated-{system}"), ignore_errors=True)
+        shutil.rmtree(os.path.join(workdir, f"run-{system}"), ignore_errors=True)  # a 1.2B run writes ~10 GB
+        result["systems"][system] = figures
+    shutil.rmtree(path, ignore_errors=True)
+    return result
+
+
+def add_limits(results: dict, rates: dict[str, float]) -> None:
+    """Each phase's physical limit and the ratio of its time to it."""
+    for size in results.values():
+        for figures in size["systems"].values():
+            moved = phase_bytes(size["model_bytes"], figures["checkpoint_bytes"])
+            for phase in PHASES:
+                if phase in figures:
+                    figures[f"{phase}_limit"] = limit_seconds(*moved[phase], rates)
+                    figures[f"{phase}_x_limit"] = figures[phase] / figures[f"{phase}_limit"]
+
+
+def render_markdown(saved: dict) -> str:
+    """One table per phase: seconds (x the physical limit) per size and system, our ratio to the peer."""
+    results, rates = saved["results"], saved["rates"]
+    lines = [
+        f"Measured rates: disk write (fsync'd) {rates['disk_write'] / 2**30:.2f} GiB/s, cached read "
+        f"{rates['cached_read'] / 2**30:.2f} GiB/s, memory copy {rates['memory_copy'] / 2**30:.2f} GiB/s. "
+        f"{saved['nproc']} ranks; one run per size and system. Cells: seconds (x the physical limit).",
+        "",
+    ]
+    systems = [s for s in SYSTEMS if any(s in r["systems"] for r in results.values())]
+    for phase in PHASES:
+        peer = PEERS[phase]
+        header = f"| {phase[:-2]} | model MiB | " + " | ".join(systems) + f" | hf_fsdp2 vs {peer} |"
+        lines += [header, "|---|---:|" + "---:|" * len(systems) + "---:|"]
+        for name, size in results.items():
+            cells = []
+            for system in systems:
+                figures = size["systems"].get(system, {})
+                value = figures.get(phase)
+                cells.append("-" if value is None else f"{value:.2f} ({figures[phase + '_x_limit']:.1f}x)")
+            ours = size["systems"].get("hf_fsdp2", {}).get(phase)
+            theirs = size["systems"].get(peer, {}).get(phase)
+            ratio = f"**{ours / theirs:.2f}x**" if ours and theirs else "-"
+            lines.append(f"| {name} | {size['model_bytes'] / MIB:.0f} | " + " | ".join(cells) + f" | {ratio} |")
+        lines.append("")
+    notes = [n for r in results.values() for n in r["notes"]]
+    if notes:
+        lines.append("Notes: " + "; ".join(notes) + ".")
+    return "\n".join(lines) + "\n"
+
+
+def render_png(saved: dict, path: str) -> None:
+    """Seconds against model bytes, one panel per phase, one line per system, the physical limit dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = saved["results"]
+    fig, axes = plt.subplots(1, len(PHASES), figsize=(4.2 * len(PHASES), 3.6))
+    for ax, phase in zip(axes, PHASES, strict=True):
+        for system in SYSTEMS:
+            points = [
+                (size["model_bytes"] / 2**30, size["systems"][system][phase])
+                for size in results.values()
+                if phase in size["systems"].get(system, {})
+            ]
+            if points:
+                ax.plot(*zip(*points, strict=True), marker="o", label=system)
+        limits = [
+            (size["model_bytes"] / 2**30, size["systems"]["hf_fsdp2"][f"{phase}_limit"])
+            for size in results.values()
+            if phase in size["systems"].get("hf_fsdp2", {})
+        ]
+        if limits:
+            ax.plot(*zip(*limits, strict=True), linestyle="--", color="grey", label="physical limit (hf_fsdp2's bytes)")
+        ax.set_title(phase[:-2])
+        ax.set_xlabel("model (GiB, fp32)")
+        ax.set_ylabel("seconds")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.from_json:
+        with open(args.from_json) as f:
+            saved = json.load(f)
+    else:
+        rates = measure_bandwidth(args.workdir)
+        results = {}
+        started = time.perf_counter()
+        for name in args.sizes.split(","):
+            print(f"[{time.perf_counter() - started:6.0f} s] size {name}", flush=True)
+            results[name] = run_size(name, args)
+        add_limits(results, rates)
+        saved = {"rates": rates, "nproc": args.nproc, "results": results, "wall_s": time.perf_counter() - started}
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(saved, f, indent=1)
+    markdown = render_markdown(saved)
+    print(markdown)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(markdown)
+    if args.png:
+        render_png(saved, args.png)
+
+
+if __name__ == "__main__":
+    main()
