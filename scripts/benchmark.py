@@ -36,7 +36,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchmark_report import render_markdown, render_png, summarize  # noqa: E402
+from benchmark_report import emit_markdown, render_markdown, render_png, summarize  # noqa: E402
 from measure_load_memory import MIB, build_model  # noqa: E402
 
 SYSTEMS = (
@@ -252,11 +252,7 @@ def report(
         first = runs[system][0]["ranks"][0]
         sharded = "parameters sharded (DTensor)" if first["sharded_fraction"] == 1 else "parameters not sharded"
         summary["systems"][system]["notes"] = " ".join([NOTES[system], *first["notes"], f"[{sharded}]"])
-    markdown = render_markdown(summary)
-    print(markdown)
-    if outputs.markdown:
-        with open(outputs.markdown, "w") as f:
-            f.write(markdown)
+    emit_markdown(render_markdown(summary), outputs.markdown)
     if outputs.json:
         with open(outputs.json, "w") as f:
             json.dump({"args": _run_options(args), "summary": summary, "runs": runs}, f, indent=2)

@@ -30,7 +30,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchmark_report import MIB  # noqa: E402
+from benchmark_report import MIB, emit_markdown  # noqa: E402
 from measure_load_memory import build_model  # noqa: E402
 
 # name: (layers, hidden); intermediate 8/3 hidden, one head per 64 channels (measure_load_memory.build_model).
@@ -234,8 +234,8 @@ def render_png(saved: dict, path: str) -> None:
                 for size in results.values()
                 if phase in size["systems"].get(system, {})
             ]
-            if points:
-                ax.plot(*zip(*points, strict=True), marker="o", label=system)
+            if points:  # one colour per system in every panel, whichever systems a phase has
+                ax.plot(*zip(*points, strict=True), marker="o", label=system, color=f"C{SYSTEMS.index(system)}")
         limits = [
             (size["model_bytes"] / 2**30, size["systems"]["hf_fsdp2"][f"{phase}_limit"])
             for size in results.values()
@@ -268,11 +268,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(saved, f, indent=1)
-    markdown = render_markdown(saved)
-    print(markdown)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(markdown)
+    emit_markdown(render_markdown(saved), args.markdown)
     if args.png:
         render_png(saved, args.png)
 

@@ -157,14 +157,19 @@ def test_summary_ratios_and_targets_on_fixed_numbers():
     assert "| preemption check (SIGTERM agreement), per step (ms) | 3.000 " in markdown
 
 
+def readme_block(name: str) -> str:
+    """The README's text between <!-- NAME:begin --> and <!-- NAME:end -->."""
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    begin, end = f"<!-- {name}:begin -->\n", f"<!-- {name}:end -->"
+    return readme[readme.index(begin) + len(begin) : readme.index(end)]
+
+
 def test_readme_performance_tables_are_the_committed_measurement():
     """The README's benchmark tables are rendered from scripts/results/benchmark_quick.json, never typed:
     re-render with `python scripts/benchmark.py --from-json scripts/results/benchmark_quick.json`."""
     with open(os.path.join(ROOT, "scripts", "results", "benchmark_quick.json")) as f:
         summary = json.load(f)["summary"]
-    readme = open(os.path.join(ROOT, "README.md")).read()
-    begin, end = "<!-- benchmark:begin -->\n", "<!-- benchmark:end -->"
-    block = readme[readme.index(begin) + len(begin) : readme.index(end)]
+    block = readme_block("benchmark")
     assert block.strip() == render_markdown(summary).strip()
 
 
@@ -175,9 +180,7 @@ def test_readme_long_context_table_is_the_committed_measurement():
 
     with open(os.path.join(ROOT, "scripts", "results", "long_context.json")) as f:
         saved = json.load(f)
-    readme = open(os.path.join(ROOT, "README.md")).read()
-    begin, end = "<!-- long-context:begin -->\n", "<!-- long-context:end -->"
-    block = readme[readme.index(begin) + len(begin) : readme.index(end)]
+    block = readme_block("long-context")
     assert block.strip() == render_long_context(saved).strip()
 
 
@@ -230,3 +233,14 @@ def test_sweep_runs_a_tiny_size_end_to_end(tmp_path):
             assert figures[system][phase] > 0 and figures[system][f"{phase}_x_limit"] > 0
     assert (tmp_path / "sweep.png").stat().st_size > 10_000
     assert "hf_fsdp2 vs transformers_fsdp2" in proc.stdout
+
+
+def test_readme_size_sweep_table_is_the_committed_measurement():
+    """The README's size-sweep table is rendered from scripts/results/sweep.json, never typed: re-render with
+    `python scripts/benchmark.py --sweep --from-json scripts/results/sweep.json`."""
+    from benchmark_sweep import render_markdown as render_sweep
+
+    with open(os.path.join(ROOT, "scripts", "results", "sweep.json")) as f:
+        saved = json.load(f)
+    block = readme_block("sweep")
+    assert block.strip() == render_sweep(saved).strip()
