@@ -14,7 +14,7 @@ right after it was written), and consolidation's read + write the same way. A ph
 bytes as fast as this machine can; the ratio says how far each system is from that.
 
 Usage:
-    python scripts/benchmark.py --sweep                        # all three sizes (about 25 min on 2 CPU cores)
+    python scripts/benchmark.py --sweep                        # all three sizes (18 min on 2 CPU cores)
     python scripts/benchmark.py --sweep --sizes 100M,400M --json sweep.json --png sweep.png
     python scripts/benchmark.py --sweep --from-json scripts/results/sweep.json   # re-render, run nothing
 """
@@ -37,8 +37,13 @@ from measure_load_memory import build_model  # noqa: E402
 SIZES = {"100M": (12, 768), "400M": (24, 1152), "1.2B": (24, 2048)}
 SYSTEMS = ("hf_fsdp2", "accelerate_fsdp2", "transformers_fsdp2", "ddp")
 PHASES = ("load_s", "save_s", "resume_s", "consolidate_s")
-PEERS = {"load_s": "transformers_fsdp2", "save_s": "accelerate_fsdp2", "resume_s": "accelerate_fsdp2"}
-PEERS["consolidate_s"] = "accelerate_fsdp2"
+# The fastest FSDP peer each phase is held against (issue 24).
+PEERS = {
+    "load_s": "transformers_fsdp2",
+    "save_s": "accelerate_fsdp2",
+    "resume_s": "accelerate_fsdp2",
+    "consolidate_s": "accelerate_fsdp2",
+}
 # Share of the machine's RAM a run may plan to hold (the rest: page cache, the other processes).
 RAM_SHARE = 0.7
 
@@ -54,6 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--markdown", default=None)
     parser.add_argument("--from-json", default=None, help="re-render a --json file, run nothing")
     args = parser.parse_args(argv)
+    unknown = set(args.systems.split(",")) - set(SYSTEMS)
+    if unknown:
+        parser.error(f"unknown system(s) {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
     for name in args.sizes.split(","):
         try:
             shape(name)
