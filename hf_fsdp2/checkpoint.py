@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -30,7 +30,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from .distributed import is_rank0
+from .distcp_reader import SafeFileSystemReader
+from .distributed import is_rank0, raise_if_any_rank
 from .facts import facts_of
 from .full_state_checkpoint import (
     has_full_model_state,
@@ -45,61 +46,6 @@ OPTIMIZER_DIR = "optimizer_0"
 MODEL_KEY = "model"
 OPTIMIZER_KEY = "optimizer"
 METADATA_FILE = ".metadata"
-_SAFE_BUILTINS = {"dict", "list", "tuple", "set", "frozenset", "slice", "int", "float", "bool", "str", "bytes"}
-# Globals that real DCP metadata references besides its own classes (seen in torch 2.13 checkpoints).
-_SAFE_GLOBALS = {
-    ("torch.serialization", "_get_layout"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "PureWindowsPath"),
-    ("collections", "OrderedDict"),
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickle DCP metadata, refusing every class that DCP metadata does not consist of."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        """Return the global `module.name` if DCP metadata may hold it.
-
-        Raises:
-            pickle.UnpicklingError: when `module.name` is not on the allowlist of DCP metadata classes.
-        """
-        allowed = (
-            module.startswith("torch.distributed.checkpoint.")
-            or (module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)))
-            or (module == "builtins" and name in _SAFE_BUILTINS)
-            or (module, name) in _SAFE_GLOBALS
-        )
-        if not allowed:
-            raise pickle.UnpicklingError(f"refusing to unpickle {module}.{name} from checkpoint metadata")
-        return super().find_class(module, name)
-
-
-class SafeFileSystemReader(FileSystemReader):
-    """DCP's file reader, but its `.metadata` is unpickled with an allowlist instead of plain pickle.
-
-    With `cache_metadata=True` the file is read once and reused by every later load through this reader
-    (consolidation loads in many small requests; re-reading took ~27% of its time on a 110M model).
-    """
-
-    def __init__(self, path: str, cache_metadata: bool = False) -> None:
-        super().__init__(path)
-        self._metadata_cache: dict[str, Metadata] | None = {} if cache_metadata else None
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = self._get_metadata_path(kwargs.get("rank"))
-        metadata = self._metadata_cache.get(str(path)) if self._metadata_cache is not None else None
-        if metadata is None:
-            with self.fs.create_stream(path, "rb") as stream:
-                metadata = _MetadataUnpickler(stream).load()
-            if self._metadata_cache is not None:
-                self._metadata_cache[str(path)] = metadata
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
 
 
 def model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -317,25 +263,71 @@ def resume_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, checkpo
             f"{checkpoint} has no complete {OPTIMIZER_DIR}/ to resume the optimizer from (saved with "
             "save_only_model=True?). Resume from a full checkpoint, or load only the weights."
         )
+    if not has_tensor_state(read_metadata(directory)):
+        # NOTE: a stateless optimizer (plain SGD) saved only its hyperparameters. torch's get/set of the optimizer
+        # state dict would each run a zero-gradient step to create state (a gradient the size of every shard,
+        # then an update of every parameter): profiled at 1.2B on 2 ranks, 4.2 s of a 6.9 s resume.
+        restore_param_groups(optimizer, directory)
+        return
     state = get_optimizer_state_dict(model, optimizer)
     load_in_place({OPTIMIZER_KEY: state}, directory)
     set_optimizer_state_dict(model, optimizer, state)
 
 
-def load_in_place(state: dict[str, Any], directory: str, reader: SafeFileSystemReader | None = None) -> None:
+def has_tensor_state(metadata: Metadata) -> bool:
+    """Whether an optimizer checkpoint holds any per-parameter state (Adam's moments; none for plain SGD)."""
+    return any(key.startswith(f"{OPTIMIZER_KEY}.state.") for key in metadata.state_dict_metadata)
+
+
+def restore_param_groups(optimizer: torch.optim.Optimizer, directory: str) -> None:
+    """Set each parameter group's hyperparameters (lr, momentum, ...) from a checkpoint that holds nothing else.
+
+    Raises:
+        ValueError: when the checkpoint's groups differ in number or size from the optimizer's.
+    """
+    prefix = f"{OPTIMIZER_KEY}.param_groups."
+    groups: dict[str, Any] = {}
+    for key in read_metadata(directory).state_dict_metadata:
+        if key.startswith(prefix):
+            index, _, name = key[len(prefix) :].partition(".")
+            groups.setdefault(index, {})[name] = None
+    saved = [groups[str(i)] for i in range(len(groups))]
+    load_in_place({OPTIMIZER_KEY: {"param_groups": saved}}, directory)
+    sizes = [len(group["params"]) for group in optimizer.param_groups]
+    if [len(group.get("params") or ()) for group in saved] != sizes:
+        raise ValueError(
+            f"the optimizer in {directory} has parameter groups of sizes "
+            f"{[len(group.get('params') or ()) for group in saved]}, this optimizer {sizes}: it was built for "
+            "other parameters. Resume with the same model and optimizer settings."
+        )
+    for group, values in zip(optimizer.param_groups, saved, strict=True):
+        group.update({name: value for name, value in values.items() if name != "params"})
+
+
+def load_in_place(
+    state: dict[str, Any], directory: str, reader: SafeFileSystemReader | None = None, collective: bool = True
+) -> None:
     """DCP-load into `state`'s tensors, turning any read failure into an error that names the folder.
+
+    Each rank plans its own reads (no_dist): the checkpoint's metadata says where every block lies, so DCP's
+    global planning (two object gathers) added only waiting. `collective`: every rank calls this together, and a
+    failure on any rank is raised on all of them (so none waits for a failed one); else a local read.
 
     Raises:
         ValueError: when reading from `directory` fails (a corrupted, truncated or missing .distcp file).
     """
     reader = reader if reader is not None else SafeFileSystemReader(directory)
+    problem = None
     try:
         with warnings.catch_warnings():
-            # Offline (no process group) a single-process load is exactly the intent.
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state, storage_reader=reader, no_dist=not dist.is_initialized())
+            dcp.load(state, storage_reader=reader, no_dist=True)
     except (Exception, CheckpointException) as error:  # CheckpointException is a BaseException.
-        raise ValueError(
+        problem = (
             f"could not read the checkpoint in {directory}: it is corrupted (a truncated or missing .distcp "
             f"file?). Use an earlier checkpoint. Details: {error}"
-        ) from error
+        )
+    if collective and dist.is_initialized():
+        raise_if_any_rank(problem)
+    elif problem:
+        raise ValueError(problem)

@@ -19,15 +19,9 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .adapter_checkpoint import full_copy, merged_state, save_adapter
-from .checkpoint import (
-    MODEL_KEY,
-    SafeFileSystemReader,
-    load_in_place,
-    model_state_dict,
-    read_metadata,
-    validate_checkpoint,
-)
+from .checkpoint import MODEL_KEY, load_in_place, model_state_dict, read_metadata, validate_checkpoint
 from .config import resolve_dtype
+from .distcp_reader import SafeFileSystemReader
 from .distributed import is_rank0
 from .facts import facts_of
 from .hf_export import TensorSpec, prepare_output, publish, write_order, write_weights
@@ -88,7 +82,7 @@ def consolidate(
     def fetch(spec: TensorSpec) -> torch.Tensor:
         if spec.name not in loaded:
             batch = {s.name: torch.empty(s.shape, dtype=stored[s.name].properties.dtype) for s in next(batches)}
-            load_in_place({MODEL_KEY: batch}, directory, reader)
+            load_in_place({MODEL_KEY: batch}, directory, reader, collective=False)
             loaded.update(batch)
         return loaded.pop(spec.name)
 

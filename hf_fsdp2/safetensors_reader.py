@@ -39,14 +39,14 @@ def read_header(path: str) -> tuple[dict[str, Any], int]:
     return header, _HEADER_LEN_BYTES + length
 
 
-def _rows_are_contiguous(shape: torch.Size, offsets: torch.Size, lengths: torch.Size) -> bool:
+def rows_are_contiguous(shape: torch.Size, offsets: torch.Size, lengths: torch.Size) -> bool:
     """True when the requested block is a range of whole rows (FSDP2's dim-0 shards always are)."""
     return all(o == 0 and n == s for o, n, s in zip(offsets[1:], lengths[1:], shape[1:], strict=True))
 
 
-def _pread_into(fd: int, buffer: torch.Tensor, offset: int) -> None:
+def pread_into(fd: int, buffer: torch.Tensor, offset: int) -> None:
     """Fill a contiguous CPU tensor with the file's bytes at `offset`."""
-    view = memoryview(buffer.view(torch.uint8).reshape(-1).numpy())
+    view = memoryview(buffer.reshape(-1).view(torch.uint8).numpy())
     done = 0
     while done < len(view):
         count = os.preadv(fd, [view[done:]], offset + done)
@@ -82,7 +82,7 @@ class SliceReader(HuggingFaceStorageReader):
         entry = header[item.storage_index.fqn]
         shape = torch.Size(entry["shape"])
         target = planner.resolve_tensor(item).detach()
-        if not _rows_are_contiguous(shape, item.storage_offsets, item.lengths):
+        if not rows_are_contiguous(shape, item.storage_offsets, item.lengths):
             # Not a row range: fall back to torch's memory-mapped slicing for this block.
             from safetensors import safe_open
 
@@ -94,7 +94,7 @@ class SliceReader(HuggingFaceStorageReader):
             offset = data_start + entry["data_offsets"][0] + (item.storage_offsets[0] if shape else 0) * row_bytes
             direct = target.device.type == "cpu" and target.dtype == info.dtype and target.is_contiguous()
             buffer = target if direct else torch.empty(tuple(item.lengths), dtype=info.dtype)
-            _pread_into(fd, buffer, offset)
+            pread_into(fd, buffer, offset)
             if not direct:
                 target.copy_(buffer)
         planner.commit_tensor(item, target)
