@@ -149,13 +149,17 @@ def plan_size(name: str, systems: list[str], nproc: int) -> tuple[str, list[str]
 
 def run_size(name: str, args: argparse.Namespace) -> dict:
     """Every system at one size: load, 2 steps with a save after each, resume, consolidation."""
-    from benchmark import CONSOLIDATES, NO_RESUME, run_consolidation, run_training
+    from benchmark import CONSOLIDATES, NO_RESUME, read_through, run_consolidation, run_training
 
     layers, hidden = shape(name)
     workdir = os.path.join(args.workdir, name)
     os.makedirs(workdir, exist_ok=True)
     path = os.path.join(workdir, "model")
     model_bytes = build_model(path, layers, hidden=hidden, vocab=16000, tied=True)
+    # NOTE: the first system (always hf_fsdp2) must neither compete with the new file's write-back nor read it
+    # from disk.
+    os.sync()
+    read_through(path)
     optim, systems, notes = plan_size(name, args.systems.split(","), args.nproc)
     run_args = argparse.Namespace(
         workdir=workdir, nproc=args.nproc, steps=2, batch=1, seq_len=64, vocab=16000, samples=3 * args.nproc,

@@ -1,4 +1,4 @@
-"""One rank of one benchmark run (launched by `scripts/benchmark.py` under torchrun, or in a plain process
+"""One rank of one benchmark run (its ranks started by `scripts/benchmark.py` as torchrun would, or a plain process
 for consolidation): load → train with checkpoint saves → resume, measuring each phase the same way for
 every system. Results go to a JSON file written by rank 0.
 """

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -76,7 +77,8 @@ def test_quick_benchmark_runs_every_system_and_they_train_the_same(tmp_path):
         summary["systems"]["hf_fsdp2"]["checkpoint_mib"]["median"]
         <= summary["systems"]["accelerate_fsdp2"]["checkpoint_mib"]["median"]
     )
-    for key in ("load_s", "load_peak_mib", "step_s", "save_s", "resume_s", "consolidate_s", "consolidate_peak_mib"):
+    keys = ("load_s", "first_step_s", "ready_s", "load_peak_mib", "step_s", "save_s", "resume_s", "consolidate_s")
+    for key in (*keys, "consolidate_peak_mib"):
         assert summary["systems"]["hf_fsdp2"][key]["median"] > 0, key
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     markdown = (tmp_path / "bench.md").read_text()
@@ -139,11 +141,14 @@ def test_summary_ratios_and_targets_on_fixed_numbers():
     assert ours["step_s"] == {"median": 1.1, "min": 1.0, "max": 1.2, "n": 2}
     assert ours["load_s"]["median"] == 3.0 and ours["load_peak_mib"]["median"] == 120.0
     assert ours["resume_s"]["median"] == 0.75
+    # The first step (left out of step time) and load + first step: work a system deferred past loading shows here.
+    assert ours["first_step_s"]["median"] == 9.0 and ours["ready_s"]["median"] == 12.0
     assert ours["tokens_per_s"]["max"] == 128.0
     targets = {row["target"]: row for row in summary["targets"]}
     assert targets["peak load RAM, worst rank ≤ 0.6× model"]["measured"] == pytest.approx(0.6)
     assert targets["peak load RAM, worst rank ≤ 0.6× model"]["met"] is True
     assert targets["training step time ≤ 1.0× accelerate_fsdp2"]["met"] is False  # 1.1 s against 1.0 s
+    assert targets["load + first step ≤ 1.0× transformers_fsdp2"]["measured"] is None  # no such system here
     assert targets["checkpoint bytes ≤ accelerate_fsdp2's"]["measured"] == pytest.approx(0.75)
     assert targets["blocked save time with async_save ≤ 0.3× sync"]["measured"] == pytest.approx(0.25)
     assert targets["consolidation peak RAM ≤ 0.3× model"]["measured"] == pytest.approx(0.25)
@@ -155,6 +160,20 @@ def test_summary_ratios_and_targets_on_fixed_numbers():
     assert "| training step time ≤ 1.0× accelerate_fsdp2 | 1.10× | **no** |" in markdown
     assert "| preemption check ≤ 1% of step time | 0.0027× | yes |" in markdown
     assert "| preemption check (SIGTERM agreement), per step (ms) | 3.000 " in markdown
+
+
+def test_a_failed_rank_stops_the_others_and_its_output_is_raised(tmp_path):
+    from benchmark import _run_ranks
+
+    script = tmp_path / "rank.py"
+    # rank 1 fails at once; rank 0 would wait 60 s (as in a collective its peer never joins)
+    script.write_text(
+        "import os, sys, time\nif os.environ['RANK'] == '1':\n    sys.exit('rank 1 broke')\ntime.sleep(60)\n"
+    )
+    started = time.perf_counter()
+    with pytest.raises(RuntimeError, match=r"(?s)rank 1 \(exit 1\).*rank 1 broke"):
+        _run_ranks([sys.executable, str(script)], 2, str(tmp_path / "none.json"))
+    assert time.perf_counter() - started < 30
 
 
 def readme_block(name: str) -> str:
