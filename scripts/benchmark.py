@@ -40,6 +40,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchmark_report import emit_markdown, render_markdown, render_png, summarize  # noqa: E402
+from benchmark_worker import START_DIR_ENV  # noqa: E402
 from measure_load_memory import MIB, build_model  # noqa: E402
 
 SYSTEMS = (
@@ -180,15 +181,17 @@ def _run_ranks(command: list[str], nproc: int, result: str) -> dict:
     base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(nproc)}
     base.update(LOCAL_WORLD_SIZE=str(nproc), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     logs = [tempfile.TemporaryFile(mode="w+") for _ in range(nproc)]
-    ranks = [
-        subprocess.Popen(command, env={**base, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=log, stderr=log)
-        for r, log in enumerate(logs)
-    ]
-    while any(rank.poll() is None for rank in ranks):
-        if any(rank.poll() not in (None, 0) for rank in ranks):  # a failed rank leaves the others waiting
-            for rank in ranks:
-                rank.kill()
-        time.sleep(0.05)
+    with tempfile.TemporaryDirectory(prefix="benchmark-start-") as start:
+        base[START_DIR_ENV] = start
+        ranks = [
+            subprocess.Popen(command, env={**base, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=log, stderr=log)
+            for r, log in enumerate(logs)
+        ]
+        while any(rank.poll() is None for rank in ranks):
+            if any(rank.poll() not in (None, 0) for rank in ranks):  # a failed rank leaves the others waiting
+                for rank in ranks:
+                    rank.kill()
+            time.sleep(0.05)
     if any(rank.returncode != 0 for rank in ranks):
         output = ""
         for r, log in enumerate(logs):

@@ -15,6 +15,8 @@ from typing import Any
 
 from measure_load_memory import vm_kib
 
+START_DIR_ENV = "HF_FSDP2_BENCHMARK_START_DIR"  # set by the launcher: where the ranks meet before the clock starts
+
 
 def _sync() -> None:
     """Wait for queued GPU work so wall-clock marks mean what they say (no-op on CPU)."""
@@ -80,6 +82,22 @@ def parameter_bytes(model: Any) -> dict[str, int]:
         "nf4_numel": sum(getattr(p, "_local_tensor", p).numel() for p in frozen if is_nf4(p)),
         "largest_slice_bytes": max(t.numel() * t.element_size() for t in local if not is_nf4(t)),
     }
+
+
+def start_together() -> None:
+    """Wait until every rank of this run is here (its imports done), so the load clock starts at once on all ranks.
+
+    NOTE: without it a rank that finished importing early waited inside the first collective of loading for one
+    still importing: up to 1.5 s of one rank's import time counted as another's load, for every system alike.
+    A file per rank in a folder the launcher made for this run (no process group exists yet: each system
+    creates its own while loading).
+    """
+    directory = os.environ.get(START_DIR_ENV)
+    if directory is None:
+        return
+    open(os.path.join(directory, os.environ["RANK"]), "w").close()
+    while len(os.listdir(directory)) < int(os.environ["WORLD_SIZE"]):
+        time.sleep(0.001)
 
 
 def make_probe(baseline_kib: int, start: float, record: dict[str, Any]) -> Any:
@@ -173,6 +191,7 @@ def train_worker(args: argparse.Namespace) -> None:
 
             to_nf4(torch.zeros(256, 256))
         record["runtime_peak_mib"] = (vm_kib("VmHWM") - baseline) / 1024
+    start_together()
     start = time.perf_counter()
     trainer = build_trainer(args.system, args, data, [make_probe(baseline, start, record)], resume=False)
     trainer._save_checkpoint = _timed(record["save_s"], trainer._save_checkpoint)

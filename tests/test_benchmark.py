@@ -176,6 +176,23 @@ def test_a_failed_rank_stops_the_others_and_its_output_is_raised(tmp_path):
     assert time.perf_counter() - started < 30
 
 
+def test_ranks_start_the_clock_together_after_a_slow_import(tmp_path):
+    from benchmark import _run_ranks
+
+    script = tmp_path / "rank.py"
+    # rank 1 "imports" 1.5 s longer; each rank then records when it passed start_together()
+    script.write_text(
+        f"import json, os, sys, time\nsys.path.insert(0, {SCRIPTS!r})\n"
+        "from benchmark_worker import start_together\n"
+        "if os.environ['RANK'] == '1':\n    time.sleep(1.5)\n"
+        "start_together()\n"
+        f"json.dump(time.time(), open(os.path.join({str(tmp_path)!r}, os.environ['RANK'] + '.json'), 'w'))\n"
+    )
+    _run_ranks([sys.executable, str(script)], 2, str(tmp_path / "0.json"))
+    passed = [json.load(open(tmp_path / name)) for name in ("0.json", "1.json")]
+    assert abs(passed[0] - passed[1]) < 0.3  # rank 0 waited for rank 1 before its clock would start
+
+
 def readme_block(name: str) -> str:
     """The README's text between <!-- NAME:begin --> and <!-- NAME:end -->."""
     readme = open(os.path.join(ROOT, "README.md")).read()
