@@ -189,6 +189,19 @@ def test_bf16_bin_checkpoint_broadcast_into_fp32_masters(tmp_path, tiny):
     assert_exactly(state, reference(str(path)))
 
 
+def test_bf16_safetensors_read_as_slices_into_fp32_masters(tmp_path):
+    """Each rank's rows of a bf16 checkpoint (as the hub ships most) are read through the reader's small reused
+    buffer and cast: exactly the fp32 values from_pretrained gives, on both ranks' rows."""
+    from tests.tiny_models import llama
+
+    path = tmp_path / "llama_bf16"
+    torch.manual_seed(4)
+    llama().to(torch.bfloat16).save_pretrained(path)
+    state, info = load(tmp_path / "out", str(path), "--route", "path", "--bf16")
+    assert info["dtypes"] == ["torch.float32"]
+    assert_exactly(state, reference(str(path), dtype=torch.float32))
+
+
 def test_truncated_safetensors_fails_on_every_rank_naming_the_file(tmp_path, tiny):
     """The last third of the file is gone (a download cut short): every rank stops naming the folder and the
     likely cause, none waits for the others."""
