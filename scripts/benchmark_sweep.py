@@ -1,8 +1,11 @@
 """The benchmark's phases that move checkpoint bytes (load, save, resume, consolidation) at three model sizes, every
-system, with each phase's time set against this machine's physical limit for the bytes it moves.
+system, with each phase's time set against this machine's physical limit for the bytes it moves; and the training
+step at each size (compute and collectives: no byte limit) and load + first step (transformers' native loading leaves
+the weights mapped from the file and copies them in its first step).
 
 Each size is a Llama of the benchmark's shape (vocab 16000, tied embeddings, fp32): about 100M, 400M and 1.2B
-parameters. Every system loads it, trains 2 steps of 64 tokens saving after each, resumes from the last checkpoint
+parameters. Every system loads it, trains 3 steps of 64 tokens saving after each (the first step is warm-up and not
+in the step time; the step time is the median of the other two, slowest rank), resumes from the last checkpoint
 (each system its own way, as in `scripts/benchmark.py`), and the sharded systems consolidate it. Where Adam's state
 would not fit this machine's RAM (the optimizer state of every system at 1.2B on 24 GiB), the size trains with
 plain SGD (no optimizer state: the same for every system); where a system would not fit at all (DDP holds the
@@ -14,7 +17,7 @@ right after it was written), and consolidation's read + write the same way. A ph
 bytes as fast as this machine can; the ratio says how far each system is from that.
 
 Usage:
-    python scripts/benchmark.py --sweep                        # all three sizes (18 min on 2 CPU cores)
+    python scripts/benchmark.py --sweep                        # all three sizes (about 20 min on 2 CPU cores)
     python scripts/benchmark.py --sweep --sizes 100M,400M --json sweep.json --png sweep.png
     python scripts/benchmark.py --sweep --from-json scripts/results/sweep.json   # re-render, run nothing
 """
@@ -36,13 +39,19 @@ from measure_load_memory import build_model  # noqa: E402
 # name: (layers, hidden); intermediate 8/3 hidden, one head per 64 channels (measure_load_memory.build_model).
 SIZES = {"100M": (12, 768), "400M": (24, 1152), "1.2B": (24, 2048)}
 SYSTEMS = ("hf_fsdp2", "accelerate_fsdp2", "transformers_fsdp2", "ddp")
-PHASES = ("load_s", "save_s", "resume_s", "consolidate_s")
+PHASES = ("load_s", "save_s", "resume_s", "consolidate_s")  # the phases that move bytes, set against a limit
+STEP = "step_s"
+READY = "ready_s"  # load + the first step: transformers' native loading defers copying the weights into it
+TIMED = (STEP, READY)  # measured where the runs train, with no byte limit
+LABELS = {READY: "load + first step"}
 # The fastest FSDP peer each phase is held against (issue 24).
 PEERS = {
     "load_s": "transformers_fsdp2",
     "save_s": "accelerate_fsdp2",
     "resume_s": "accelerate_fsdp2",
     "consolidate_s": "accelerate_fsdp2",
+    STEP: "accelerate_fsdp2",
+    READY: "transformers_fsdp2",
 }
 # Share of the machine's RAM a run may plan to hold (the rest: page cache, the other processes).
 RAM_SHARE = 0.7
@@ -147,9 +156,10 @@ def plan_size(name: str, systems: list[str], nproc: int) -> tuple[str, list[str]
     return optim, kept, notes
 
 
-def run_size(name: str, args: argparse.Namespace) -> dict:
-    """Every system at one size: load, 2 steps with a save after each, resume, consolidation."""
-    from benchmark import CONSOLIDATES, NO_RESUME, read_through, run_consolidation, run_training
+def run_size(name: str, args: argparse.Namespace, first: bool = False) -> dict:
+    """Every system at one size: load, 3 steps with a save after each, resume, consolidation; the sweep's `first`
+    size starts with an uncounted warm-up run (benchmark.warm_up)."""
+    from benchmark import CONSOLIDATES, NO_RESUME, read_through, run_consolidation, run_training, warm_up
 
     layers, hidden = shape(name)
     workdir = os.path.join(args.workdir, name)
@@ -162,10 +172,12 @@ def run_size(name: str, args: argparse.Namespace) -> dict:
     read_through(path)
     optim, systems, notes = plan_size(name, args.systems.split(","), args.nproc)
     run_args = argparse.Namespace(
-        workdir=workdir, nproc=args.nproc, steps=2, batch=1, seq_len=64, vocab=16000, samples=3 * args.nproc,
+        workdir=workdir, nproc=args.nproc, steps=3, batch=1, seq_len=64, vocab=16000, samples=3 * args.nproc,
         warmup=1, resume=True, optim=None if optim == "adamw" else optim,
     )  # fmt: skip
     result = {"model_bytes": model_bytes, "optim": optim, "notes": notes, "systems": {}}
+    if first:
+        warm_up(run_args, systems[0], path)
     for system in systems:
         print(f"  {name}: {system}", flush=True)
         run = run_training(run_args, system, path, "sweep")
@@ -173,6 +185,8 @@ def run_size(name: str, args: argparse.Namespace) -> dict:
             "load_s": max(r["load_s"] for r in run["ranks"]),
             "load_peak_mib": max(r["load_peak_mib"] for r in run["ranks"]),
             "save_s": statistics.median(max(s) for s in zip(*(r["save_s"] for r in run["ranks"]), strict=True)),
+            STEP: statistics.median(slowest_steps(run["ranks"], run_args.warmup)),
+            READY: max(r["load_s"] + r["step_s"][0] for r in run["ranks"]),
             "checkpoint_bytes": run["checkpoint_bytes"],
         }
         if system not in NO_RESUME:
@@ -188,6 +202,11 @@ def run_size(name: str, args: argparse.Namespace) -> dict:
     return result
 
 
+def slowest_steps(ranks: list[dict], warmup: int) -> list[float]:
+    """Each step's time on its slowest rank (the step ends for everyone when it ends there), warm-up left out."""
+    return [max(times) for times in zip(*(r["step_s"] for r in ranks), strict=True)][warmup:]
+
+
 def add_limits(results: dict, rates: dict[str, float]) -> None:
     """Each phase's physical limit and the ratio of its time to it."""
     for size in results.values():
@@ -200,25 +219,31 @@ def add_limits(results: dict, rates: dict[str, float]) -> None:
 
 
 def render_markdown(saved: dict) -> str:
-    """One table per phase: seconds (x the physical limit) per size and system, our ratio to the peer."""
+    """One table per phase: seconds (x the physical limit, for the phases that move bytes) per size and system,
+    our ratio to the peer."""
     results, rates = saved["results"], saved["rates"]
     lines = [
         f"Measured rates: disk write (fsync'd) {rates['disk_write'] / 2**30:.2f} GiB/s, cached read "
         f"{rates['cached_read'] / 2**30:.2f} GiB/s, memory copy {rates['memory_copy'] / 2**30:.2f} GiB/s. "
-        f"{saved['nproc']} ranks; one run per size and system. Cells: seconds (x the physical limit).",
+        f"{saved['nproc']} ranks; one run per size and system. Cells: seconds (x the physical limit); "
+        "step: the median of 2 steps after a warm-up one; load + first step: the slowest rank's.",
         "",
     ]
     systems = [s for s in SYSTEMS if any(s in r["systems"] for r in results.values())]
-    for phase in PHASES:
+    for phase in panels(results):
         peer = PEERS[phase]
-        header = f"| {phase[:-2]} | model MiB | " + " | ".join(systems) + f" | hf_fsdp2 vs {peer} |"
+        header = f"| {LABELS.get(phase, phase[:-2])} | model MiB | " + " | ".join(systems) + f" | hf_fsdp2 vs {peer} |"
         lines += [header, "|---|---:|" + "---:|" * len(systems) + "---:|"]
         for name, size in results.items():
             cells = []
             for system in systems:
                 figures = size["systems"].get(system, {})
                 value = figures.get(phase)
-                cells.append("-" if value is None else f"{value:.2f} ({figures[phase + '_x_limit']:.1f}x)")
+                if value is None:
+                    cells.append("-")
+                    continue
+                limit = f" ({figures[phase + '_x_limit']:.1f}x)" if phase in PHASES else ""
+                cells.append(f"{value:.2f}{limit}")
             ours = size["systems"].get("hf_fsdp2", {}).get(phase)
             theirs = size["systems"].get(peer, {}).get(phase)
             ratio = f"**{ours / theirs:.2f}x**" if ours and theirs else "-"
@@ -230,6 +255,12 @@ def render_markdown(saved: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def panels(results: dict) -> list[str]:
+    """The phases to show: those that move bytes, then the timed ones the runs measured."""
+    measured = {key for size in results.values() for figures in size["systems"].values() for key in figures}
+    return [*PHASES, *(phase for phase in TIMED if phase in measured)]
+
+
 def render_png(saved: dict, path: str) -> None:
     """Seconds against model bytes, one panel per phase, one line per system, the physical limit dashed."""
     import matplotlib
@@ -238,8 +269,9 @@ def render_png(saved: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     results = saved["results"]
-    fig, axes = plt.subplots(1, len(PHASES), figsize=(4.2 * len(PHASES), 3.6))
-    for ax, phase in zip(axes, PHASES, strict=True):
+    phases = panels(results)
+    fig, axes = plt.subplots(1, len(phases), figsize=(4.2 * len(phases), 3.6))
+    for ax, phase in zip(axes, phases, strict=True):
         for system in SYSTEMS:
             points = [
                 (size["model_bytes"] / 2**30, size["systems"][system][phase])
@@ -251,11 +283,11 @@ def render_png(saved: dict, path: str) -> None:
         limits = [
             (size["model_bytes"] / 2**30, size["systems"]["hf_fsdp2"][f"{phase}_limit"])
             for size in results.values()
-            if phase in size["systems"].get("hf_fsdp2", {})
+            if f"{phase}_limit" in size["systems"].get("hf_fsdp2", {})
         ]
         if limits:
             ax.plot(*zip(*limits, strict=True), linestyle="--", color="grey", label="physical limit (hf_fsdp2's bytes)")
-        ax.set_title(phase[:-2])
+        ax.set_title(LABELS.get(phase, phase[:-2]))
         ax.set_xlabel("model (GiB, fp32)")
         ax.set_ylabel("seconds")
     axes[0].legend(fontsize=7)
@@ -272,9 +304,9 @@ def main(argv: list[str] | None = None) -> None:
         rates = measure_bandwidth(args.workdir)
         results = {}
         started = time.perf_counter()
-        for name in args.sizes.split(","):
+        for index, name in enumerate(args.sizes.split(",")):
             print(f"[{time.perf_counter() - started:6.0f} s] size {name}", flush=True)
-            results[name] = run_size(name, args)
+            results[name] = run_size(name, args, first=index == 0)
         add_limits(results, rates)
         saved = {"rates": rates, "nproc": args.nproc, "results": results, "wall_s": time.perf_counter() - started}
         if args.json:

@@ -63,6 +63,8 @@ def test_quick_benchmark_runs_every_system_and_they_train_the_same(tmp_path):
     result = json.loads((tmp_path / "bench.json").read_text())
     summary, runs = result["summary"], result["runs"]
     assert list(summary["systems"]) == list(SYSTEMS)
+    # The first system also ran once before the measured runs (a warm-up), and that run is not counted.
+    assert (tmp_path / "work" / "result-hf_fsdp2-warmup.json").exists() and len(runs["hf_fsdp2"]) == 1
     # Same data, batch, seed and schedule: every system ends at DDP's loss, and resumes to the same next loss.
     assert all(diff < 1e-4 for diff in summary["loss_agreement"]["max_abs_diff"].values()), summary["loss_agreement"]
     resumed = {s: runs[s][0]["ranks"][0].get("loss_after_resume") for s in ("hf_fsdp2", "accelerate_fsdp2", "ddp")}
@@ -222,7 +224,7 @@ def test_readme_long_context_table_is_the_committed_measurement():
 
 def test_sweep_sets_each_phase_against_its_physical_limit_on_fixed_numbers():
     """Limits are the phase's bytes at the measured rates; the table gives seconds, x limit and our ratio."""
-    from benchmark_sweep import add_limits, phase_bytes, render_markdown
+    from benchmark_sweep import add_limits, phase_bytes, render_markdown, slowest_steps
 
     gib = 2**30
     rates = {"disk_write": 1 * gib, "cached_read": 4 * gib, "memory_copy": 8 * gib}
@@ -231,6 +233,8 @@ def test_sweep_sets_each_phase_against_its_physical_limit_on_fixed_numbers():
     }  # fmt: skip
     ours = {"load_s": 0.5, "save_s": 6.0, "resume_s": 1.5, "consolidate_s": 2.5, "checkpoint_bytes": 3 * gib}
     peer = {"load_s": 1.0, "save_s": 3.0, "resume_s": 3.0, "consolidate_s": 5.0, "checkpoint_bytes": 3 * gib}
+    ours["step_s"], peer["step_s"] = 2.0, 2.5  # no byte limit: seconds only
+    ours["ready_s"], peer["ready_s"] = 3.0, 4.0
     results = {"1G": {"model_bytes": gib, "notes": ["1G: ddp left out"], "systems": {"hf_fsdp2": ours}}}
     results["1G"]["systems"].update({"accelerate_fsdp2": dict(peer), "transformers_fsdp2": dict(peer)})
     add_limits(results, rates)
@@ -239,7 +243,13 @@ def test_sweep_sets_each_phase_against_its_physical_limit_on_fixed_numbers():
     markdown = render_markdown({"rates": rates, "nproc": 2, "results": results})
     assert "| 1G | 1024 | 0.50 (2.0x) | 1.00 (4.0x) | 1.00 (4.0x) | **0.50x** |" in markdown  # load vs native
     assert "| 1G | 1024 | 6.00 (2.0x) | 3.00 (1.0x) | 3.00 (1.0x) | **2.00x** |" in markdown  # save vs Accelerate
-    assert "1G: ddp left out" in markdown
+    assert "| 1G | 1024 | 2.00 | 2.50 | 2.50 | **0.80x** |" in markdown  # step vs Accelerate
+    assert (
+        "| load + first step | model MiB |" in markdown and "| 1G | 1024 | 3.00 | 4.00 | 4.00 | **0.75x** |" in markdown
+    )
+    assert "step_s_limit" not in ours and "1G: ddp left out" in markdown
+    # the step time: each step's slowest rank, warm-up left out
+    assert slowest_steps([{"step_s": [9.0, 1.0, 3.0]}, {"step_s": [8.0, 2.0, 1.0]}], warmup=1) == [2.0, 3.0]
 
 
 def test_sweep_trains_with_sgd_and_leaves_out_what_would_not_fit(monkeypatch):
