@@ -22,7 +22,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -270,9 +270,46 @@ def resume_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, checkpo
         # then an update of every parameter): profiled at 1.2B on 2 ranks, 4.2 s of a 6.9 s resume.
         restore_param_groups(optimizer, directory, metadata)
         return
+    allocate_optimizer_state(model, optimizer, metadata)
     state = get_optimizer_state_dict(model, optimizer)
     load_in_place({OPTIMIZER_KEY: state}, directory)
     set_optimizer_state_dict(model, optimizer, state)
+
+
+def allocate_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, metadata: Metadata) -> bool:
+    """Give each parameter the state tensors the checkpoint holds for it, allocated and not yet filled (DCP reads
+    over them next); False, changing nothing, when the optimizer already has state or the checkpoint holds state
+    this cannot allocate (torch then creates it, as before).
+
+    NOTE: torch's get_optimizer_state_dict creates missing state by giving every parameter a zero gradient and
+    taking an optimizer step; profiled at 400M on 2 ranks (AdamW), 1.30 of a 1.87 s optimizer resume: a gradient
+    and two zeroed moments per shard, then the update, all overwritten or dropped right after.
+    """
+    if optimizer.state:
+        return False
+    params: dict[str, torch.Tensor] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        params.setdefault(name, param)
+    trained = {id(param) for group in optimizer.param_groups for param in group["params"]}
+    prefix = f"{OPTIMIZER_KEY}.state."
+    planned: list[tuple[torch.Tensor, str, torch.Tensor]] = []
+    for key, stored in metadata.state_dict_metadata.items():
+        if not key.startswith(prefix):
+            continue
+        fqn, _, name = key[len(prefix) :].rpartition(".")
+        param = params.get(fqn)
+        if param is None or id(param) not in trained or not isinstance(stored, TensorStorageMetadata):
+            return False
+        if tuple(stored.size) == tuple(param.shape):  # a per-element state (Adam's moments), sharded as the param
+            value = torch.empty_like(param, dtype=stored.properties.dtype)
+        elif len(stored.size) == 0:  # a scalar (Adam's step); load_state_dict moves it where the optimizer wants
+            value = torch.zeros((), dtype=stored.properties.dtype)
+        else:
+            return False
+        planned.append((param, name, value))
+    for param, name, value in planned:
+        optimizer.state[param][name] = value
+    return bool(planned)
 
 
 def has_tensor_state(metadata: Metadata) -> bool:

@@ -137,3 +137,62 @@ def test_a_stateless_optimizer_built_for_other_parameters_is_refused(tmp_path):
     fresh = torch.optim.SGD(model.parameters(), lr=0.9)  # one group of 4 where the checkpoint has two of 2
     with pytest.raises(ValueError, match=r"parameter groups of sizes \[2, 2\], this optimizer \[4\]"):
         resume_optimizer(model, fresh, str(tmp_path))
+
+
+def adam_checkpoint(folder: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A model and an AdamW optimizer that took two steps, saved as FSDP2Trainer saves its optimizer."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    for _ in range(2):
+        model(torch.randn(4, 8)).sum().backward()
+        optimizer.step()
+    model.zero_grad(set_to_none=True)
+    dcp.save(
+        {OPTIMIZER_KEY: get_optimizer_state_dict(model, optimizer)},
+        checkpoint_id=os.path.join(folder, OPTIMIZER_DIR),
+        no_dist=True,
+    )
+    return model, optimizer
+
+
+def test_adam_state_is_read_into_allocated_tensors_without_a_zero_gradient_step(tmp_path):
+    model, saved = adam_checkpoint(str(tmp_path))
+    weights = [p.detach().clone() for p in model.parameters()]
+    fresh = torch.optim.AdamW(model.parameters(), lr=0.5)
+    steps = counting_steps(fresh)
+    resume_optimizer(model, fresh, str(tmp_path))
+    # torch's path gave every parameter a zero gradient and took a step to create the state it then overwrote
+    assert steps == [] and all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights, strict=True))
+    assert fresh.param_groups[0]["lr"] == 0.1
+    for p in model.parameters():
+        assert fresh.state[p].keys() == saved.state[p].keys()
+        for name, value in saved.state[p].items():
+            assert torch.equal(fresh.state[p][name], value), name
+
+
+def test_state_it_cannot_allocate_is_left_to_torch_and_still_resumed(tmp_path):
+    """A state entry that is not a tensor (here a custom float) takes torch's own path, as before (which, like
+    torch's, restores only the state its zero-gradient step creates)."""
+    model, saved = adam_checkpoint(str(tmp_path))
+    original = saved.state_dict
+    saved.state_dict = lambda: _with_float_state(original())  # type: ignore[method-assign]
+    dcp.save(
+        {OPTIMIZER_KEY: get_optimizer_state_dict(model, saved)},
+        checkpoint_id=os.path.join(str(tmp_path), OPTIMIZER_DIR),
+        no_dist=True,
+    )
+    fresh = torch.optim.AdamW(model.parameters(), lr=0.5)
+    steps = counting_steps(fresh)
+    resume_optimizer(model, fresh, str(tmp_path))
+    assert steps == [1]  # torch's zero-gradient step created the state
+    for p in model.parameters():
+        for name in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(fresh.state[p][name], saved.state[p][name]), name
+
+
+def _with_float_state(state_dict: dict) -> dict:
+    for entry in state_dict["state"].values():
+        entry["custom"] = 0.25
+    return state_dict
