@@ -1,6 +1,6 @@
 """What reading weights out of the page cache costs on this machine, and what leaving them memory-mapped defers.
 
-Reads SIZE bytes of a file (cached: read once first) four ways, in one process, and prints seconds per way:
+Reads SIZE bytes of a file (cached: read once first) six ways, in one process, and prints seconds per way:
   pread into fresh memory        what loading into new shards does (the kernel faults in every page)
   pread into faulted-in memory   the same bytes into pages already touched: the copy alone
   fault in fresh memory          touching new pages, no copy (the fault cost alone)
