@@ -20,6 +20,7 @@ METRICS = (
     ("load_s", "load: time to first step, slowest rank", "s", True),
     ("load_peak_mib", "load: peak host RAM, worst rank", "MiB", True),
     ("load_gpu_peak_mib", "load: peak GPU memory, worst rank", "MiB", True),
+    ("file_view_pct", "load: weights left as views of the checkpoint file", "% of bytes", True),
     ("first_step_s", "first training step (pays what loading deferred)", "s", True),
     ("ready_s", "load + first step: until the weights have moved once", "s", True),
     ("step_s", "training step (steady state)", "s", True),
@@ -68,6 +69,8 @@ def _run_figures(run: dict, args: argparse.Namespace, flops_per_token: float, pe
     if ranks[0].get("resume_s"):
         figures["resume_s"] = max(sum(r["resume_s"]) for r in ranks)
         figures["loss_after_resume"] = ranks[0]["loss_after_resume"]
+    if ranks[0].get("file_view_bytes") is not None and ranks[0].get("param_bytes"):
+        figures["file_view_pct"] = 100 * max(r["file_view_bytes"] / r["param_bytes"] for r in ranks)
     if ranks[0].get("load_gpu_peak_mib") is not None:
         figures["load_gpu_peak_mib"] = max(r["load_gpu_peak_mib"] for r in ranks)
         figures["train_gpu_peak_mib"] = max(r["train_gpu_peak_mib"] for r in ranks)
@@ -247,7 +250,7 @@ def _figure_table(systems: dict[str, dict], names: list[str], reference: str) ->
     for key, label, unit, _ in METRICS:
         if not any(key in systems[s] for s in names):
             continue
-        digits = {"MiB": 0, "tokens/s": 0, "ms": 3}.get(unit, 2)
+        digits = {"MiB": 0, "tokens/s": 0, "ms": 3, "% of bytes": 0}.get(unit, 2)
         cells = [
             _cell(systems[s][key], systems[reference].get(key), digits) if key in systems[s] else "–" for s in names
         ]

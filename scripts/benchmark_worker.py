@@ -84,6 +84,27 @@ def parameter_bytes(model: Any) -> dict[str, int]:
     }
 
 
+def file_view_bytes(model: Any) -> int | None:
+    """This rank's parameter bytes that are still views of a file mapping (the checkpoint mapped privately): such
+    weights take whatever is written into the file in place later, until a step writes them. None off Linux."""
+    if not os.path.exists("/proc/self/maps"):
+        return None
+    spans = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].startswith("/"):
+                low, high = (int(x, 16) for x in fields[0].split("-"))
+                spans.append((low, high))
+    total = 0
+    for p in model.parameters():
+        local = getattr(p, "_local_tensor", p)
+        address = local.data_ptr()
+        if local.device.type == "cpu" and any(low <= address < high for low, high in spans):
+            total += local.numel() * local.element_size()
+    return total
+
+
 def start_together() -> None:
     """Wait until every rank of this run is here (its imports done), so the load clock starts at once on all ranks.
 
@@ -114,6 +135,7 @@ def make_probe(baseline_kib: int, start: float, record: dict[str, Any]) -> Any:
             _touch(model)
             _sync()
             record["load_s"] = time.perf_counter() - start
+            record["file_view_bytes"] = file_view_bytes(model)
             record["load_peak_mib"] = (vm_kib("VmHWM") - baseline_kib) / 1024
             record["load_gpu_peak_mib"] = _gpu_peak_mib()
             record.update(parameter_bytes(model))

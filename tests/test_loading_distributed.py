@@ -202,6 +202,21 @@ def test_bf16_safetensors_read_as_slices_into_fp32_masters(tmp_path):
     assert_exactly(state, reference(str(path), dtype=torch.float32))
 
 
+def test_loaded_weights_do_not_change_when_the_checkpoint_is_overwritten_in_place(tmp_path, tiny):
+    """The shards hold their own copy of the bytes: a checkpoint rewritten in place after loading (`cp` onto it)
+    changes nothing. A private memory map of the file (transformers' native FSDP2 loading) would take the new
+    bytes into every weight no step has written yet; here the file's weights become zeros."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    path = tmp_path / "llama"
+    shutil.copytree(tiny("llama"), path)
+    state, _ = load(tmp_path / "out", str(path), "--route", "path", "--overwrite")
+    assert_exactly(state, reference(tiny("llama")))
+    assert not any(t.any() for t in load_file(path / "model.safetensors").values())  # the rewrite happened
+
+
 def test_truncated_safetensors_fails_on_every_rank_naming_the_file(tmp_path, tiny):
     """The last third of the file is gone (a download cut short): every rank stops naming the folder and the
     likely cause, none waits for the others."""

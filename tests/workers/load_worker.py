@@ -33,6 +33,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--offload", action="store_true")
     p.add_argument("--lora", action="store_true", help="wrap the model with peft LoRA (q_proj, v_proj)")
     p.add_argument("--rank1-min-params", type=int, default=None, help="give rank 1 a different config")
+    p.add_argument("--overwrite", action="store_true", help="zero the checkpoint's bytes in place once loaded")
     return p.parse_args(argv)
 
 
@@ -52,6 +53,18 @@ def build(args: argparse.Namespace, rank: int):
     return auto.from_pretrained(args.model, **kwargs)
 
 
+def overwrite_in_place(path: str, rank: int) -> None:
+    """Zero every tensor byte of the file in place (same inode, as `cp` or `rsync --inplace` onto it would)."""
+    torch.distributed.barrier()
+    if rank == 0:
+        with open(path, "r+b") as f:
+            header = int.from_bytes(f.read(8), "little")
+            size = os.fstat(f.fileno()).st_size
+            f.seek(8 + header)
+            f.write(bytes(size - 8 - header))
+    torch.distributed.barrier()
+
+
 def load(argv: list[str]) -> None:
     """Build, shard and load one model as the flags say; rank 0 writes OUT/state.pt and OUT/info.json."""
     args = parse(argv)
@@ -68,6 +81,8 @@ def load(argv: list[str]) -> None:
         model = get_peft_model(from_pretrained(model) if isinstance(model, str) else model, LoraConfig(**LORA_KWARGS))
     trainer = FSDP2Trainer(model, training_args, fsdp2_config=config)
     model = trainer.model
+    if args.overwrite:
+        overwrite_in_place(os.path.join(args.model, "model.safetensors"), rank)
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     buffers = {f"buffer:{name}": b.detach().cpu().clone() for name, b in model.named_buffers()}
     tied = model.get_output_embeddings() is not None and (
