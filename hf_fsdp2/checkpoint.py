@@ -40,6 +40,7 @@ from .full_state_checkpoint import (
     load_full_optimizer_state,
 )
 from .hf_export import staging_dir
+from .sharding import reshard_all
 
 MODEL_DIR = "pytorch_model_fsdp_0"
 OPTIMIZER_DIR = "optimizer_0"
@@ -219,6 +220,10 @@ def save_sharded(
     With an `AsyncSaver` the state is copied to host memory now and written in the background; the
     returned futures finish when it is on disk. Otherwise it returns [] once written.
     """
+    # NOTE: a forward under no_grad (evaluate) leaves the units that skip resharding after forward (the root, the
+    # last block) gathered, their unsharded tensors registered on the modules; the optimizer's state is keyed by
+    # the sharded ones, which torch then cannot name (KeyError), unless a model state dict put them back first.
+    reshard_all(model)
     pending = []
     parts = [(MODEL_DIR, {MODEL_KEY: model_state_dict(model)})] if include_model else []
     if optimizer is not None:
@@ -254,6 +259,7 @@ def resume_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, checkpo
     Raises:
         ValueError: when `checkpoint` has no complete optimizer_0 folder or its files cannot be read.
     """
+    reshard_all(model)  # the optimizer's parameters are the sharded ones (see save_sharded)
     directory = os.path.join(checkpoint, OPTIMIZER_DIR)
     if not os.path.isdir(directory) and has_full_optimizer_state(checkpoint):
         load_full_optimizer_state(model, optimizer, checkpoint)

@@ -84,7 +84,8 @@ class FSDP2Config:
             "backward), keep them ('false': faster, ZeRO-2-like), or an int N: reshard to groups of N ranks "
             "(must divide the shard group size). Python's True/False/int are accepted and stored as these "
             "strings; `reshard_policy` gives the value for fully_shard. The root unit is never resharded after "
-            "forward."
+            "forward, nor with 'true' the last block: backward needs both first, so resharding would only gather "
+            "them again."
         },
     )
     param_dtype: str | None = field(

@@ -184,6 +184,26 @@ def test_classification_with_modules_to_save_matches_one_process(tmp_path, tiny)
     assert "base_model.model.score.weight" in stored
 
 
+def test_a_checkpoint_saved_right_after_an_evaluation_resumes_exactly(tmp_path, tiny):
+    """Evaluation (no_grad) leaves the units that keep their weights gathered into backward (the root, the last
+    block) unsharded; the optimizer state of their trainable weights (a LoRA in the last block, a head trained
+    through modules_to_save) must still be saved and resumed under the sharded parameters' names."""
+    flags = ("--lora", "q_proj,down_proj", "--modules-to-save", "lm_head", "--save-steps", "2", "--steps", "4")
+    first, again = str(tmp_path / "first"), str(tmp_path / "again")
+    run("train_worker.py", 2, "--model", tiny("llama"), "--out", first, *flags, "--eval-steps", "2")
+    shutil.copytree(os.path.join(first, "run", "checkpoint-2"), os.path.join(again, "run", "checkpoint-2"))
+    run("train_worker.py", 2, "--model", tiny("llama"), "--out", again, *flags, "--resume", "auto")
+    ref, got = load_result(first), load_result(again)
+    assert got["steps_run"] == 2
+    expected = dict(zip(ref["steps"], ref["losses"], strict=True))
+    resumed = dict(zip(got["steps"], got["losses"], strict=True))
+    assert all(abs(resumed[step] - expected[step]) < TOL for step in (3, 4))
+    ref_w, got_w = torch.load(os.path.join(first, "weights.pt")), torch.load(os.path.join(again, "weights.pt"))
+    head = "base_model.model.lm_head.modules_to_save.default.weight"
+    assert head in ref_w and max_diff(adapters(ref_w), adapters(got_w)) < TOL
+    assert (ref_w[head] - got_w[head]).abs().max() < TOL
+
+
 # ---- fast, single-process --------------------------------------------------------------------------
 
 

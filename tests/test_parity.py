@@ -107,12 +107,18 @@ def test_two_ranks_match_one_process(out_root, tiny, model, defer):
     assert_same_run(got, ref)
 
 
-def test_only_the_blocks_reshard_after_forward(out_root, tiny):
-    """The root (embedding, norm, head) stays gathered into backward; resharding it only adds an all-gather."""
+def test_the_root_and_the_last_block_stay_gathered_into_backward(out_root, tiny):
+    """The root (embedding, norm, head) and the last block are the first backward needs: resharding them after
+    forward only adds an all-gather of each, every micro-batch. Every other block reshards."""
     result, _ = train(out_root, tiny("llama"), 2)
     flags = result["resharded_after_forward"]
     assert flags.pop("<root>") is False
+    last = max(flags, key=lambda name: int(name.split(".")[-1]))
+    assert flags.pop(last) is False and last == f"model.layers.{len(flags)}"
     assert flags and all(flags.values()), flags
+    # Gathers per micro-batch: every unit in forward, then in backward only the blocks that resharded.
+    micro_batches = len(result["steps"]) * 2
+    assert result["all_gathers_in_training"] == micro_batches * (1 + (len(flags) + 1) + len(flags))
 
 
 def test_weights_changed_during_training(out_root, tiny):

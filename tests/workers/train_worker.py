@@ -82,6 +82,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--offload", action="store_true")
     p.add_argument("--max-grad-norm", type=float, default=1.0)
     p.add_argument("--evaluate-first", action="store_true")
+    p.add_argument("--eval-steps", type=int, default=0, help="evaluate every N steps (0: never during training)")
     p.add_argument("--user-optimizer", action="store_true")
     p.add_argument("--generate", action="store_true")
     p.add_argument("--per-token-generate", action="store_true", help="FSDP2Config(gather_for_generate=False)")
@@ -234,6 +235,8 @@ def train(argv: list[str]) -> None:
         save_strategy="steps" if args.save_steps else "no",
         save_steps=args.save_steps or 500,
         save_total_limit=args.save_total_limit,
+        eval_strategy="steps" if args.eval_steps else "no",
+        eval_steps=args.eval_steps or None,
         report_to=[],
         seed=args.seed,
         bf16=args.bf16,
@@ -275,7 +278,9 @@ def train(argv: list[str]) -> None:
     if args.evaluate_first:
         result["eval_before"] = trainer.evaluate()["eval_loss"]
     resume = True if args.resume == "last" else args.resume
-    trainer.train(resume_from_checkpoint=resume)
+    with _counting_collectives() as calls:
+        trainer.train(resume_from_checkpoint=resume)
+    result["all_gathers_in_training"] = calls["all_gather"]
     result["steps_run"] = disruptions.steps_run
     result["use_cpu"] = training_args.use_cpu
     history = [h for h in trainer.state.log_history if "loss" in h]
