@@ -252,6 +252,14 @@ def test_sweep_sets_each_phase_against_its_physical_limit_on_fixed_numbers():
         "| load + first step | model MiB |" in markdown and "| 1G | 1024 | 3.00 | 4.00 | 4.00 | **0.75x** |" in markdown
     )
     assert "step_s_limit" not in ours and "1G: ddp left out" in markdown
+    # Rates measured for a size (with a file of its model bytes) are that size's yardstick.
+    slow = {"disk_write": 0.5 * gib, "cached_read": 2 * gib, "memory_copy": 8 * gib}
+    big = {"consolidate_s": 9.0, "checkpoint_bytes": 4 * gib}
+    sized = {"4G": {"model_bytes": 4 * gib, "rates": slow, "notes": [], "systems": {"hf_fsdp2": big}}}
+    add_limits(sized)
+    assert big["consolidate_s_limit"] == 10.0 and big["consolidate_s_x_limit"] == 0.9  # 4 GiB read at 2, written at 0.5
+    markdown = render_markdown({"nproc": 2, "results": sized})
+    assert "4G (4096 MiB files): disk write (fsync'd) 0.50, cached read 2.00" in markdown
     # the step time: each step's slowest rank, warm-up left out
     assert slowest_steps([{"step_s": [9.0, 1.0, 3.0]}, {"step_s": [8.0, 2.0, 1.0]}], warmup=1) == [2.0, 3.0]
 
