@@ -166,9 +166,15 @@ def plan_size(name: str, systems: list[str], nproc: int) -> tuple[str, list[str]
     return optim, kept, notes
 
 
-def run_size(name: str, args: argparse.Namespace, first: bool = False) -> dict:
-    """Every system at one size: load, 3 steps with a save after each, resume, consolidation; the sweep's `first`
-    size starts with an uncounted warm-up run (benchmark.warm_up)."""
+def run_size(name: str, args: argparse.Namespace) -> dict:
+    """Every system at one size: load, 3 steps with a save after each, resume, consolidation; after an uncounted
+    warm-up run (benchmark.warm_up).
+
+    NOTE: the warm-up is at every size, not only the first: the first system after a size's model was written and
+    its rates measured (several GiB written and fsync'd) ran slower in every phase. Measured, hf_fsdp2 first at
+    400M: load 1.25 s (native 0.65 s), resume 1.73 s (0.73 s in the sweep before), consolidation 3.24 s (0.95 s),
+    first step 18.0 s against its steady 15.5 s (19.4 against 12.2 in the sweep before that).
+    """
     from benchmark import CONSOLIDATES, NO_RESUME, read_through, run_consolidation, run_training, warm_up
 
     layers, hidden = shape(name)
@@ -188,8 +194,7 @@ def run_size(name: str, args: argparse.Namespace, first: bool = False) -> dict:
         warmup=1, resume=True, optim=None if optim == "adamw" else optim,
     )  # fmt: skip
     result = {"model_bytes": model_bytes, "rates": rates, "optim": optim, "notes": notes, "systems": {}}
-    if first:
-        warm_up(run_args, systems[0], path)
+    warm_up(run_args, systems[0], path)
     for system in systems:
         print(f"  {name}: {system}", flush=True)
         run = run_training(run_args, system, path, "sweep")
@@ -333,9 +338,9 @@ def main(argv: list[str] | None = None) -> None:
     else:
         results = {}
         started = time.perf_counter()
-        for index, name in enumerate(args.sizes.split(",")):
+        for name in args.sizes.split(","):
             print(f"[{time.perf_counter() - started:6.0f} s] size {name}", flush=True)
-            results[name] = run_size(name, args, first=index == 0)
+            results[name] = run_size(name, args)
         add_limits(results)
         saved = {"nproc": args.nproc, "results": results, "wall_s": time.perf_counter() - started}
         if args.json:
