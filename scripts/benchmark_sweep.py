@@ -20,7 +20,7 @@ would set multi-GiB phases against a rate no multi-GiB write reaches. A phase wi
 fast as this machine can; the ratio says how far each system is from that.
 
 Usage:
-    python scripts/benchmark.py --sweep                        # all three sizes (about 20 min on 2 CPU cores)
+    python scripts/benchmark.py --sweep                        # all three sizes (about 22 min on 2 CPU cores)
     python scripts/benchmark.py --sweep --sizes 100M,400M --json sweep.json --png sweep.png
     python scripts/benchmark.py --sweep --from-json scripts/results/sweep.json   # re-render, run nothing
 """
