@@ -16,8 +16,8 @@ file of that size's model bytes: writes at the disk's fsync'd write rate, reads 
 written (the page cache: every checkpoint here is read right after it was written), and consolidation's read + write
 the same way; the best of two measurements. The size matters: on the development VM a 1 GiB fsync'd write ran at
 1.9 GiB/s and a 5 GiB one at 0.4 GiB/s a minute later (a write cache in front of the disk; the sweep's best of two
-for 4.6 GiB came out 1.25 GiB/s), so a 1 GiB yardstick says little about multi-GiB phases. A phase within 1x of its limit moves bytes as
-fast as this machine can; the ratio says how far each system is from that.
+for 4.6 GiB came out 1.25 GiB/s), so a 1 GiB yardstick says little about multi-GiB phases. A phase within 1x of
+its limit moves bytes as fast as this machine can; the ratio says how far each system is from that.
 
 Usage:
     python scripts/benchmark.py --sweep                        # all three sizes (about 22 min on 2 CPU cores)
