@@ -304,7 +304,7 @@ def fsdp_modules(model: nn.Module) -> list[FSDPModule]:
 
 
 def reshard_all(model: nn.Module) -> None:
-    """Put every unit back to its sharded parameters (a no_grad forward leaves the root gathered)."""
+    """Put every unit back to its sharded parameters (a no_grad forward leaves the root and last block gathered)."""
     for module in fsdp_modules(model):
         module.reshard()
 

@@ -29,8 +29,8 @@ This is the only module that knows Trainer/Accelerate internals. Every private h
   `model_accepts_loss_kwargs`, `get_tp_size`) (tests/test_dropin.py moe_qwen3, moe_mixtral).
 - `training_step` (wrapped, only with `sequence_parallel_size` > 1): one Trainer step per member of the group on
   this rank's slice of that member's rows, inside Ulysses attention (tests/test_sequence_parallel.py).
-- `create_optimizer`: reshard first, because a forward under no_grad (evaluate) leaves the root gathered
-  and an optimizer built then holds the wrong tensors (tests/test_trainer.py evaluate-then-train).
+- `create_optimizer`: reshard first, because a forward under no_grad (evaluate) leaves the root and the last block
+  gathered and an optimizer built then holds the wrong tensors (tests/test_trainer.py evaluate-then-train).
 - `model_accepts_loss_kwargs`: cleared when the model's loss ignores `num_items_in_batch`, else
   Trainer multiplies such losses by the world size (tests/test_parity.py classification); set when a model marked
   `accepts_loss_kwargs = False` still hands **kwargs to its `loss_function` (tests/test_vlm.py qwen2_5_vl).
