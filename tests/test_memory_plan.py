@@ -151,6 +151,20 @@ def test_trainer_start_logs_the_plan_and_warns_when_it_will_not_fit(tiny, caplog
     planner.log_memory_plan(model, args, FSDP2Config(), data)  # a tiny model: the bound says enough
     assert "Memory plan: training needs at most" in caplog.text and "not traced" in caplog.text
     assert "(batch 2 × seq 32" in caplog.text
+    # A bound that fits, however narrowly, is not traced: the trace could only lower it, and it holds every rank.
+    planned = []
+    real_peak = planner.training_peak_of
+    monkeypatch.setattr(planner, "training_peak_of", lambda *a, **k: planned.append(real_peak(*a, **k)) or planned[-1])
+    planner.log_memory_plan(model, args, FSDP2Config(), data)
+    bound, _ = planned[-1]
+    monkeypatch.setattr(planner, "detect_device_memory", lambda nproc: bound + bound // 10)
+    planner.log_memory_plan(model, args, FSDP2Config(), data)
+    assert planned[-1] == (bound, False)
+    monkeypatch.setattr(planner, "detect_device_memory", lambda nproc: bound - 1)  # over: traced, to not warn falsely
+    planner.log_memory_plan(model, args, FSDP2Config(), data)
+    assert planned[-1][1] and planned[-1][0] < bound
+    monkeypatch.undo()
+    monkeypatch.setattr(transformers.logging.get_logger(), "propagate", True)
     caplog.clear()
     monkeypatch.setattr(planner, "activation_bound", lambda request, config: None)  # a model only a trace describes
     planner.log_memory_plan(model, args, FSDP2Config(), data)
