@@ -4,8 +4,10 @@ step at each size (compute and collectives: no byte limit) and load + first step
 the weights mapped from the file and copies them in its first step).
 
 Each size is a Llama of the benchmark's shape (vocab 16000, tied embeddings, fp32): about 100M, 400M and 1.2B
-parameters. Every system loads it, trains 3 steps of 64 tokens saving after each (the first step is warm-up and not
-in the step time; the step time is the median of the other two, slowest rank), resumes from the last checkpoint
+parameters. Every system loads it, trains 6 steps of 64 tokens saving after the 3rd and the 6th (the first 3 steps
+are warm-up and not in the step time; the step time is the median of the last 3, slowest rank: measured at 400M,
+both FSDP systems' steps 1-3 took 18.6-20.2, 15.3-16.9 and 12.5-15.5 s before settling at 13-14 s, so a median of
+steps 2 and 3 timed the warm-up, not the step), resumes from the last checkpoint
 (each system its own way, as in `scripts/benchmark.py`), and the sharded systems consolidate it. Where Adam's state
 would not fit this machine's RAM (the optimizer state of every system at 1.2B on 24 GiB), the size trains with
 plain SGD (no optimizer state: the same for every system); where a system would not fit at all (DDP holds the
@@ -58,6 +60,9 @@ PEERS = {
 }
 # Share of the machine's RAM a run may plan to hold (the rest: page cache, the other processes).
 RAM_SHARE = 0.7
+# Steps per run and how many of the first are warm-up (saves every steps // 2: after the 3rd and the 6th).
+SCHEDULE = {"steps": 6, "warmup": 3}
+OLD_SCHEDULE = {"steps": 3, "warmup": 1}  # results saved before the schedule was recorded
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -167,7 +172,7 @@ def plan_size(name: str, systems: list[str], nproc: int) -> tuple[str, list[str]
 
 
 def run_size(name: str, args: argparse.Namespace) -> dict:
-    """Every system at one size: load, 3 steps with a save after each, resume, consolidation; after an uncounted
+    """Every system at one size: load, SCHEDULE's steps and saves, resume, consolidation; after an uncounted
     warm-up run (benchmark.warm_up).
 
     NOTE: the warm-up is at every size, not only the first: the first system after a size's model was written and
@@ -190,10 +195,10 @@ def run_size(name: str, args: argparse.Namespace) -> dict:
     read_through(path)
     optim, systems, notes = plan_size(name, args.systems.split(","), args.nproc)
     run_args = argparse.Namespace(
-        workdir=workdir, nproc=args.nproc, steps=3, batch=1, seq_len=64, vocab=16000, samples=3 * args.nproc,
-        warmup=1, resume=True, optim=None if optim == "adamw" else optim,
+        workdir=workdir, nproc=args.nproc, batch=1, seq_len=64, vocab=16000, samples=SCHEDULE["steps"] * args.nproc,
+        resume=True, optim=None if optim == "adamw" else optim, **SCHEDULE,
     )  # fmt: skip
-    result = {"model_bytes": model_bytes, "rates": rates, "optim": optim, "notes": notes, "systems": {}}
+    result = {"model_bytes": model_bytes, "rates": rates, "optim": optim, "notes": notes, "systems": {}, **SCHEDULE}
     warm_up(run_args, systems[0], path)
     for system in systems:
         print(f"  {name}: {system}", flush=True)
@@ -242,8 +247,7 @@ def render_markdown(saved: dict) -> str:
     results = saved["results"]
     lines = [
         f"Measured rates: {rates_text(saved)}. {saved['nproc']} ranks; one run per size and system. Cells: seconds "
-        "(x the physical limit); step: the median of 2 steps after a warm-up one; load + first step: the slowest "
-        "rank's.",
+        f"(x the physical limit); step: {schedule_text(results)}; load + first step: the slowest rank's.",
         "",
     ]
     systems = [s for s in SYSTEMS if any(s in r["systems"] for r in results.values())]
@@ -270,6 +274,13 @@ def render_markdown(saved: dict) -> str:
     if notes:
         lines.append("Notes: " + "; ".join(notes) + ".")
     return "\n".join(lines) + "\n"
+
+
+def schedule_text(results: dict) -> str:
+    """Which steps the step time is the median of (the same schedule at every size)."""
+    size = next(iter(results.values()))
+    steps, warmup = (size.get(key, OLD_SCHEDULE[key]) for key in ("steps", "warmup"))
+    return f"the median of steps {warmup + 1} to {steps}, after {warmup} warm-up step{'s' if warmup > 1 else ''}"
 
 
 def rates_text(saved: dict) -> str:
