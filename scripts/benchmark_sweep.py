@@ -22,7 +22,7 @@ for 4.6 GiB came out 1.25 GiB/s), so a 1 GiB yardstick says little about multi-G
 its limit moves bytes as fast as this machine can; the ratio says how far each system is from that.
 
 Usage:
-    python scripts/benchmark.py --sweep                        # all three sizes (about 22 min on 2 CPU cores)
+    python scripts/benchmark.py --sweep                        # all three sizes (about 34 min on 2 CPU cores)
     python scripts/benchmark.py --sweep --sizes 100M,400M --json sweep.json --png sweep.png
     python scripts/benchmark.py --sweep --from-json scripts/results/sweep.json   # re-render, run nothing
 """
