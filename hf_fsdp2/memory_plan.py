@@ -363,7 +363,7 @@ def log_memory_plan(model: nn.Module, args: Any, config: Any, dataset: Any) -> N
         available = detect_device_memory(local)
         # NOTE: a trace can only lower the figure, so where the generous bound already fits, tracing could not
         # change the verdict and would only sharpen a log line: it costs about 45 ms per layer on rank 0 while
-        # every other rank waits (1.0 s of a 1.2B Llama's 5.3 s load, scripts/benchmark.py --sweep).
+        # every other rank waits (1.0-1.1 s of a 1.2B Llama's 5.3-6.1 s load at 2 CPU ranks, wall-clock marks).
         peak, traced = training_peak_of(request, base.config, lora, below=available)
     except Exception as error:  # NOTE: the plan is advice; any model it cannot describe trains as before
         log_rank0("No memory plan for this run (%s: %s).", type(error).__name__, error)

@@ -252,7 +252,8 @@ def test_sweep_sets_each_phase_against_its_physical_limit_on_fixed_numbers():
         "| load + first step | model MiB |" in markdown and "| 1G | 1024 | 3.00 | 4.00 | 4.00 | **0.75x** |" in markdown
     )
     assert "step_s_limit" not in ours and "1G: ddp left out" in markdown
-    assert "step: the median of steps 2 to 3, after 1 warm-up step;" in markdown  # saved before the schedule was
+    # Results saved before the schedule was recorded in the JSON were 3 steps, 1 of them warm-up.
+    assert "step: the median of steps 2 to 3, after 1 warm-up step;" in markdown
     results["1G"].update(steps=6, warmup=3)
     assert "step: the median of steps 4 to 6, after 3 warm-up steps;" in render_markdown(
         {"rates": rates, "nproc": 2, "results": results}
