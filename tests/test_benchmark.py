@@ -308,3 +308,24 @@ def test_readme_size_sweep_table_is_the_committed_measurement():
         saved = json.load(f)
     block = readme_block("sweep")
     assert block.strip() == render_sweep(saved).strip()
+
+
+def test_readme_sweep_repeat_ratios_are_the_committed_repeat():
+    """The repeat run's ratios the README quotes (400M/1.2B per phase) are what scripts/results/sweep_repeat.json
+    renders to: `python scripts/benchmark.py --sweep --from-json scripts/results/sweep_repeat.json`."""
+    from benchmark_sweep import PEERS
+    from benchmark_sweep import render_markdown as render_sweep
+
+    with open(os.path.join(ROOT, "scripts", "results", "sweep_repeat.json")) as f:
+        saved = json.load(f)
+    assert list(saved["results"]) == ["400M", "1.2B"] and "**2.15x**" in render_sweep(saved)
+
+    def ratios(phase: str) -> str:
+        sizes = saved["results"].values()
+        return "/".join(f"{s['systems']['hf_fsdp2'][phase] / s['systems'][PEERS[phase]][phase]:.2f}" for s in sizes)
+
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = " ".join(f.read().split())
+    for label, phase in [("load", "load_s"), ("resume", "resume_s"), ("consolidation", "consolidate_s")]:
+        assert f"{label} {ratios(phase)}x" in readme
+    assert f"save {ratios('save_s')}x and step {ratios('step_s')}x Accelerate" in readme
