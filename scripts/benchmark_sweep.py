@@ -18,8 +18,12 @@ file of that size's model bytes: writes at the disk's fsync'd write rate, reads 
 written (the page cache: every checkpoint here is read right after it was written), and consolidation's read + write
 the same way; the best of two measurements. The size matters: on the development VM a 1 GiB fsync'd write ran at
 1.9 GiB/s and a 5 GiB one at 0.4 GiB/s a minute later (a write cache in front of the disk; the sweep's best of two
-for 4.6 GiB came out 1.25 GiB/s), so a 1 GiB yardstick says little about multi-GiB phases. A phase within 1x of
-its limit moves bytes as fast as this machine can; the ratio says how far each system is from that.
+for 4.6 GiB came out 1.25 GiB/s), so a 1 GiB yardstick says little about multi-GiB phases. A load's bytes land
+in memory the process never held, which the kernel must fault in page by page: its reads count at the slower of the
+cached read and the memory copy (a 1 GiB tensor copied into a new one, 3.3-3.6 GiB/s on the development VM against
+12.5-13.1 GiB/s for the cached read, which reads into one 16 MiB buffer that stays in the CPU's caches).
+A phase within 1x of its limit moves bytes as fast as this machine can; the ratio says how far each system is from
+that.
 
 Usage:
     python scripts/benchmark.py --sweep                        # all three sizes (about 34 min on 2 CPU cores)
@@ -45,6 +49,9 @@ from measure_load_memory import build_model  # noqa: E402
 SIZES = {"100M": (12, 768), "400M": (24, 1152), "1.2B": (24, 2048)}
 SYSTEMS = ("hf_fsdp2", "accelerate_fsdp2", "transformers_fsdp2", "ddp")
 PHASES = ("load_s", "save_s", "resume_s", "consolidate_s")  # the phases that move bytes, set against a limit
+# Phases whose every byte lands in memory the process did not hold before (resume refills the model's tensors in
+# place; consolidation streams through reused buffers).
+INTO_NEW_MEMORY = ("load_s",)
 STEP = "step_s"
 READY = "ready_s"  # load + the first step: transformers' native loading defers copying the weights into it
 TIMED = (STEP, READY)  # measured where the runs train, with no byte limit
@@ -144,9 +151,14 @@ def phase_bytes(model_bytes: int, checkpoint_bytes: int) -> dict[str, tuple[int,
     }
 
 
-def limit_seconds(read: int, written: int, rates: dict[str, float]) -> float:
-    """The time these bytes take at the measured rates (reads from the page cache, writes to disk)."""
-    return read / rates["cached_read"] + written / rates["disk_write"]
+def limit_seconds(read: int, written: int, rates: dict[str, float], into_new_memory: bool = False) -> float:
+    """The time these bytes take at the measured rates: reads from the page cache, writes to disk.
+
+    A load's bytes land in memory the process never touched: they can come no faster than this machine copies
+    into such memory (the memory copy rate: a 1 GiB tensor copied into a new one), nor than the page cache reads.
+    """
+    read_rate = min(rates["cached_read"], rates["memory_copy"]) if into_new_memory else rates["cached_read"]
+    return read / read_rate + written / rates["disk_write"]
 
 
 def plan_size(name: str, systems: list[str], nproc: int) -> tuple[str, list[str], list[str]]:
@@ -233,11 +245,13 @@ def add_limits(results: dict, rates: dict[str, float] | None = None) -> None:
     """Each phase's physical limit and the ratio of its time to it, at the rates measured for its size (or
     `rates`, for results measured before the sweep measured per size)."""
     for size in results.values():
+        size["into_new_memory"] = list(INTO_NEW_MEMORY)  # how these limits were taken: saved for the caption
         for figures in size["systems"].values():
             moved = phase_bytes(size["model_bytes"], figures["checkpoint_bytes"])
             for phase in PHASES:
                 if phase in figures:
-                    figures[f"{phase}_limit"] = limit_seconds(*moved[phase], size.get("rates", rates))
+                    into_new = phase in INTO_NEW_MEMORY
+                    figures[f"{phase}_limit"] = limit_seconds(*moved[phase], size.get("rates", rates), into_new)
                     figures[f"{phase}_x_limit"] = figures[phase] / figures[f"{phase}_limit"]
 
 
@@ -247,7 +261,8 @@ def render_markdown(saved: dict) -> str:
     results = saved["results"]
     lines = [
         f"Measured rates: {rates_text(saved)}. {saved['nproc']} ranks; one run per size and system. Cells: seconds "
-        f"(x the physical limit); step: {schedule_text(results)}; load + first step: the slowest rank's.",
+        f"(x the physical limit{limit_text(results)}); step: {schedule_text(results)}; load + first step: the slowest "
+        "rank's.",
         "",
     ]
     systems = [s for s in SYSTEMS if any(s in r["systems"] for r in results.values())]
@@ -281,6 +296,16 @@ def schedule_text(results: dict) -> str:
     size = next(iter(results.values()))
     steps, warmup = (size.get(key, OLD_SCHEDULE[key]) for key in ("steps", "warmup"))
     return f"the median of steps {warmup + 1} to {steps}, after {warmup} warm-up step{'s' if warmup > 1 else ''}"
+
+
+def limit_text(results: dict) -> str:
+    """How the load's limit was taken: results from before it counted the landing in new memory say nothing."""
+    if "into_new_memory" not in next(iter(results.values())):
+        return ""
+    return (
+        ": the bytes read at the cached read rate, written at the disk write rate; a load's bytes land in new "
+        "memory, so at the slower of cached read and memory copy"
+    )
 
 
 def rates_text(saved: dict) -> str:

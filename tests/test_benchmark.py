@@ -266,6 +266,13 @@ def test_sweep_sets_each_phase_against_its_physical_limit_on_fixed_numbers():
     assert big["consolidate_s_limit"] == 10.0 and big["consolidate_s_x_limit"] == 0.9  # 4 GiB read at 2, written at 0.5
     markdown = render_markdown({"nproc": 2, "results": sized})
     assert "4G (4096 MiB files): disk write (fsync'd) 0.50, cached read 2.00" in markdown
+    # A load's bytes land in new memory: where copying into new memory is slower than the cached read, that is
+    # its limit; a resume (into tensors that exist) keeps the cached read.
+    copy_bound = {"disk_write": 1 * gib, "cached_read": 4 * gib, "memory_copy": 2 * gib}
+    figures = {"load_s": 1.0, "resume_s": 1.0, "checkpoint_bytes": gib}
+    add_limits({"1G": {"model_bytes": gib, "rates": copy_bound, "systems": {"hf_fsdp2": figures}}})
+    assert figures["load_s_limit"] == 0.5 and figures["resume_s_limit"] == 0.25
+    assert "a load's bytes land in new memory, so at the slower of cached read and memory copy" in markdown
     # the step time: each step's slowest rank, warm-up left out
     assert slowest_steps([{"step_s": [9.0, 1.0, 3.0]}, {"step_s": [8.0, 2.0, 1.0]}], warmup=1) == [2.0, 3.0]
 
