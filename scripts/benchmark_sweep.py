@@ -49,8 +49,9 @@ from measure_load_memory import build_model  # noqa: E402
 SIZES = {"100M": (12, 768), "400M": (24, 1152), "1.2B": (24, 2048)}
 SYSTEMS = ("hf_fsdp2", "accelerate_fsdp2", "transformers_fsdp2", "ddp")
 PHASES = ("load_s", "save_s", "resume_s", "consolidate_s")  # the phases that move bytes, set against a limit
-# Phases whose every byte lands in memory the process did not hold before (resume refills the model's tensors in
-# place; consolidation streams through reused buffers).
+# Phases whose every byte lands in memory the process did not hold before. Resume keeps the stricter cached-read
+# limit (it refills the model's tensors in place; only the optimizer state it reads is new); consolidation streams
+# through reused buffers.
 INTO_NEW_MEMORY = ("load_s",)
 STEP = "step_s"
 READY = "ready_s"  # load + the first step: transformers' native loading defers copying the weights into it
