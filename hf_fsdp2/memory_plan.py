@@ -13,7 +13,8 @@ from what this pipeline does in each phase:
 - export (`save_model`, end of training): one gathered full tensor on every rank, plus rank 0's copy;
 - offline consolidation: one process, about twice the largest tensor.
 On a machine without accelerators each rank's process runtime (libraries paged in, the process group) is
-added as measured. Figures are validated against measurement by `scripts/validate_plan.py`.
+added as measured, and from training on the all-gather buffers kept between steps (`comm_buffers`). Figures are
+validated against measurement by `scripts/validate_plan.py`.
 """
 
 from __future__ import annotations
@@ -454,6 +455,11 @@ def phases_for(request: PlanRequest, sizes: ModelSizes, activations: int) -> lis
     step = {**resident, "gradients": grads if not request.cpu_offload else 0, "optimizer step temporaries": step_temp}
     training = forward_backward if sum(forward_backward.values()) >= sum(step.values()) else step
     runtime = {"process runtime (CPU)": CPU_RUNTIME_BYTES} if request.on_cpu else {}
+    # On the CPU the flat all-gather buffers are kept between steps (comm_buffers.py): the root's and those of the
+    # two blocks in flight at once, from the first step on (the reduce-scatter input reuses a block's).
+    if request.on_cpu:
+        runtime["reused comm buffers (CPU)"] = (sizes.root_numel + 2 * sizes.largest_unit_numel) * compute
+    before_training = {k: v for k, v in runtime.items() if k == "process runtime (CPU)"}
     # Slices are read straight into the shards (no read buffer: measured); the tensors no checkpoint holds (a
     # LoRA adapter) are drawn full on every rank, and held twice while peft's replay is alive.
     load = {"sharded parameters": params, "buffers": sizes.buffers_bytes, "new tensors, full": 2 * sizes.new_bytes}
@@ -465,7 +471,7 @@ def phases_for(request: PlanRequest, sizes: ModelSizes, activations: int) -> lis
         whole = {"whole model on rank 0 (from_pretrained: model + checkpoint pages read)": 2 * sizes.rank0_load_bytes}
         load = {**whole, "buffers": sizes.buffers_bytes, "new tensors, full": 2 * sizes.new_bytes}
     phases = [
-        Phase("load", {**load, **runtime}),
+        Phase("load", {**load, **before_training}),
         Phase("training", {**training, **runtime}),
         Phase(
             "checkpoint save (sync)", {**resident, "serialized tensor": sizes.largest_tensor_bytes // shard, **runtime}
