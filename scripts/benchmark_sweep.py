@@ -26,7 +26,7 @@ A phase within 1x of its limit moves bytes as fast as this machine can; the rati
 that.
 
 Usage:
-    python scripts/benchmark.py --sweep                        # all three sizes (about 34 min on 2 CPU cores)
+    python scripts/benchmark.py --sweep                        # all three sizes (about 32 min on 2 CPU cores)
     python scripts/benchmark.py --sweep --sizes 100M,400M --json sweep.json --png sweep.png
     python scripts/benchmark.py --sweep --from-json scripts/results/sweep.json   # re-render, run nothing
 """

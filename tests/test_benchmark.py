@@ -318,14 +318,14 @@ def test_readme_size_sweep_table_is_the_committed_measurement():
 
 
 def test_readme_sweep_repeat_ratios_are_the_committed_repeat():
-    """The repeat run's ratios the README quotes (400M/1.2B per phase) are what scripts/results/sweep_repeat.json
+    """The repeat run's ratios the README quotes (100M/400M per phase) are what scripts/results/sweep_repeat.json
     renders to: `python scripts/benchmark.py --sweep --from-json scripts/results/sweep_repeat.json`."""
     from benchmark_sweep import PEERS
     from benchmark_sweep import render_markdown as render_sweep
 
     with open(os.path.join(ROOT, "scripts", "results", "sweep_repeat.json")) as f:
         saved = json.load(f)
-    assert list(saved["results"]) == ["400M", "1.2B"] and "**2.15x**" in render_sweep(saved)
+    assert list(saved["results"]) == ["100M", "400M"] and "**2.47x**" in render_sweep(saved)
 
     def ratios(phase: str) -> str:
         sizes = saved["results"].values()
