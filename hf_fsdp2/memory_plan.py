@@ -456,8 +456,9 @@ def phases_for(request: PlanRequest, sizes: ModelSizes, activations: int) -> lis
     training = forward_backward if sum(forward_backward.values()) >= sum(step.values()) else step
     runtime = {"process runtime (CPU)": CPU_RUNTIME_BYTES} if request.on_cpu else {}
     # On the CPU the flat all-gather buffers are kept between steps (comm_buffers.py): the root's and those of the
-    # two blocks in flight at once, from the first step on (the reduce-scatter input reuses a block's).
-    if request.on_cpu:
+    # two blocks in flight at once, from the first step on (the reduce-scatter input reuses a block's). A shard
+    # group of one makes no all-gather (FSDP2 uses the shard itself), so nothing is kept.
+    if request.on_cpu and shard > 1:
         runtime["reused comm buffers (CPU)"] = (sizes.root_numel + 2 * sizes.largest_unit_numel) * compute
     before_training = {k: v for k, v in runtime.items() if k == "process runtime (CPU)"}
     # Slices are read straight into the shards (no read buffer: measured); the tensors no checkpoint holds (a

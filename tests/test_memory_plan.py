@@ -44,13 +44,14 @@ def test_lora_adapters_are_drawn_full_on_every_rank_and_cpu_runs_add_the_process
     assert "process runtime (CPU)" not in phases(PlanRequest("m", nproc=4, cpu=False))["load"]
 
 
-def test_cpu_runs_keep_the_root_and_two_blocks_flat_buffers_from_training_on():
+def test_cpu_runs_keep_the_root_and_two_blocks_flat_buffers_from_training_on_when_ranks_gather():
     got = phases(PlanRequest("m", nproc=4, cpu=True))
     kept = (20 * MIB // 4 + 2 * 10 * MIB // 4) * 4  # fp32: the root's flat buffer and two blocks'
     for phase in ("training", "checkpoint save (sync)", "export (save_model)"):
         assert got[phase]["reused comm buffers (CPU)"] == kept
     assert "reused comm buffers (CPU)" not in got["load"]
     assert "reused comm buffers (CPU)" not in phases(PlanRequest("m", nproc=4, cpu=False))["training"]
+    assert "reused comm buffers (CPU)" not in phases(PlanRequest("m", nproc=1, cpu=True))["training"]
 
 
 def test_four_ranks_shard_state_and_gather_root_and_two_blocks():
