@@ -458,9 +458,8 @@ def phases_for(request: PlanRequest, sizes: ModelSizes, activations: int) -> lis
     # On the CPU the flat all-gather buffers are kept between steps (comm_buffers.py): the root's and those of the
     # two blocks in flight at once, from the first step on (the reduce-scatter input reuses a block's). A shard
     # group of one makes no all-gather (FSDP2 uses the shard itself), so nothing is kept.
-    if request.on_cpu and shard > 1:
-        runtime["reused comm buffers (CPU)"] = (sizes.root_numel + 2 * sizes.largest_unit_numel) * compute
-    before_training = {k: v for k, v in runtime.items() if k == "process runtime (CPU)"}
+    kept = (sizes.root_numel + 2 * sizes.largest_unit_numel) * compute if request.on_cpu and shard > 1 else 0
+    trained = {**runtime, "reused comm buffers (CPU)": kept} if kept else runtime
     # Slices are read straight into the shards (no read buffer: measured); the tensors no checkpoint holds (a
     # LoRA adapter) are drawn full on every rank, and held twice while peft's replay is alive.
     load = {"sharded parameters": params, "buffers": sizes.buffers_bytes, "new tensors, full": 2 * sizes.new_bytes}
@@ -472,19 +471,19 @@ def phases_for(request: PlanRequest, sizes: ModelSizes, activations: int) -> lis
         whole = {"whole model on rank 0 (from_pretrained: model + checkpoint pages read)": 2 * sizes.rank0_load_bytes}
         load = {**whole, "buffers": sizes.buffers_bytes, "new tensors, full": 2 * sizes.new_bytes}
     phases = [
-        Phase("load", {**load, **before_training}),
-        Phase("training", {**training, **runtime}),
+        Phase("load", {**load, **runtime}),
+        Phase("training", {**training, **trained}),
         Phase(
-            "checkpoint save (sync)", {**resident, "serialized tensor": sizes.largest_tensor_bytes // shard, **runtime}
+            "checkpoint save (sync)", {**resident, "serialized tensor": sizes.largest_tensor_bytes // shard, **trained}
         ),
         Phase("checkpoint save (async staging)", {"host copy of shards": params + optimizer}, where="host"),
-        Phase("export (save_model)", {**resident, "gathered tensor": 2 * sizes.largest_tensor_bytes, **runtime}),
+        Phase("export (save_model)", {**resident, "gathered tensor": 2 * sizes.largest_tensor_bytes, **trained}),
         Phase("offline consolidation", {"read + write buffers": 2 * sizes.largest_tensor_bytes}, where="host"),
     ]
     if request.generate_tokens:
         gathering, tokens = _generation(request, sizes)
-        phases.append(Phase("generation: gathering (once per call)", {**resident, **gathering, **runtime}))
-        phases.append(Phase("generation: tokens", {**resident, **tokens, **runtime}))
+        phases.append(Phase("generation: gathering (once per call)", {**resident, **gathering, **trained}))
+        phases.append(Phase("generation: tokens", {**resident, **tokens, **trained}))
     return phases
 
 
