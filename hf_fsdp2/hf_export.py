@@ -20,13 +20,14 @@ import re
 import shutil
 import struct
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from huggingface_hub import split_torch_state_dict_into_shards
 from transformers.utils import logging
+
+from .direct_io import DirectFileWriter
 
 logger = logging.get_logger(__name__)
 
@@ -115,62 +116,39 @@ class SafetensorsStream:
     """Write one safetensors file whose tensors arrive one at a time, in the planned order."""
 
     # NOTE: the file is fsynced before the folder is published (never a renamed-but-empty file after a
-    # crash). Syncing what is written so far in a background thread, every SYNC_EVERY bytes, lets the disk
-    # work while the next tensors are read, so the final fsync only waits for the tail.
-    SYNC_EVERY = 64 * 2**20
+    # crash). Its bytes go to the disk from a background thread (direct_io), so the disk works while the
+    # next tensors are read.
 
     def __init__(self, path: str, specs: list[TensorSpec]) -> None:
         self.specs = specs
         self.next = 0
-        self.file = open(path, "wb")
-        self.file.write(_header(specs))
-        self.unsynced = 0
-        self.syncer = ThreadPoolExecutor(max_workers=1)
-        self.pending: Future | None = None
+        self.file = DirectFileWriter(path)
+        self.file.write(torch.frombuffer(bytearray(_header(specs)), dtype=torch.uint8))
 
     def write(self, tensor: torch.Tensor) -> None:
         """Append the next planned tensor's bytes (cast to the planned dtype).
 
         Raises:
             RuntimeError: when `tensor`'s shape differs from the next planned tensor's.
-            OSError: when the previous background sync failed (e.g. a full disk).
+            OSError: when an earlier background write failed (e.g. a full disk).
         """
         spec = self.specs[self.next]
         if tuple(tensor.shape) != spec.shape:
             raise RuntimeError(f"{spec.name}: got shape {tuple(tensor.shape)}, planned {spec.shape}")
-        data = tensor.detach().to("cpu", spec.dtype).contiguous().reshape(-1)
-        # The buffer itself, not .tobytes(): a copy would double the peak and cost a memcpy per tensor.
-        self.file.write(memoryview(data.view(torch.uint8).numpy()))
+        self.file.write(tensor.detach().to("cpu", spec.dtype).contiguous())
         self.next += 1
-        self.unsynced += data.numel() * data.element_size()
-        if self.unsynced >= self.SYNC_EVERY and (self.pending is None or self.pending.done()):
-            self._wait_for_sync()  # surfaces an error of the previous sync
-            self.file.flush()
-            self.pending = self.syncer.submit(os.fdatasync, self.file.fileno())
-            self.unsynced = 0
-
-    def _wait_for_sync(self) -> None:
-        """Wait for the background sync in flight, re-raising its error (a full disk must not pass silently)."""
-        if self.pending is not None:
-            self.pending.result()
-            self.pending = None
 
     def close(self) -> None:
         """Check that every planned tensor was written, sync the file to disk and close it.
 
         Raises:
             RuntimeError: when fewer tensors were written than planned.
-            OSError: when syncing the file to disk fails (e.g. a full disk).
+            OSError: when writing or syncing the file fails (e.g. a full disk).
         """
-        try:
-            if self.next != len(self.specs):
-                raise RuntimeError(f"only {self.next} of {len(self.specs)} tensors were written")
-            self._wait_for_sync()
-            self.file.flush()
-            os.fsync(self.file.fileno())
-        finally:
-            self.syncer.shutdown(wait=True)
-            self.file.close()
+        if self.next != len(self.specs):
+            self.file.abort()
+            raise RuntimeError(f"only {self.next} of {len(self.specs)} tensors were written")
+        self.file.close()
 
 
 def write_weights(
@@ -189,11 +167,17 @@ def write_weights(
     progress = logging.tqdm(total=len(specs), desc="Writing weights", disable=not write or len(specs) < 50)
     for name, group in files:
         stream = SafetensorsStream(os.path.join(directory, name), group) if write else None
-        for spec in group:
-            tensor = fetch(spec)
+        try:
+            for spec in group:
+                tensor = fetch(spec)
+                if stream is not None:
+                    stream.write(tensor)
+                del tensor  # freed before the next fetch reads: the peak is one batch, not a tensor + a batch
+                progress.update(1)
+        except BaseException:
             if stream is not None:
-                stream.write(tensor)
-            progress.update(1)
+                stream.file.abort()
+            raise
         if stream is not None:
             stream.close()
     progress.close()

@@ -245,26 +245,40 @@ def test_reads_are_batched_in_order_within_the_budget():
     assert [s.name for batch in read_batches(specs, budget=1) for s in batch] == list("abcde")
 
 
-def test_streamed_file_synced_in_the_background_holds_every_tensor(tmp_path, monkeypatch):
-    """Background fdatasyncs between tensors must not reorder or drop bytes."""
+def test_streamed_file_across_staging_buffers_holds_every_tensor(tmp_path, monkeypatch):
+    """Tensors cut across the writer's staging buffers (one block each here) keep their order and bytes."""
+    from hf_fsdp2 import direct_io
     from hf_fsdp2.hf_export import SafetensorsStream, TensorSpec
 
-    monkeypatch.setattr(SafetensorsStream, "SYNC_EVERY", 64)  # bytes: a sync after about every tensor
-    synced = []
-    real_fdatasync = os.fdatasync
-    monkeypatch.setattr(os, "fdatasync", lambda fd: synced.append(fd) or real_fdatasync(fd))
-    tensors = {f"t{i}": torch.randn(5 + i, 3) for i in range(12)}
+    monkeypatch.setattr(direct_io, "CHUNK_BYTES", direct_io.BLOCK)
+    tensors = {f"t{i}": torch.randn(50 + 37 * i, 3) for i in range(12)}
     tensors["bf16"] = torch.randn(7).to(torch.bfloat16)
-    stream = SafetensorsStream(
-        str(tmp_path / "x.safetensors"), [TensorSpec(k, tuple(v.shape), v.dtype) for k, v in tensors.items()]
-    )
+    path = str(tmp_path / "x.safetensors")
+    stream = SafetensorsStream(path, [TensorSpec(k, tuple(v.shape), v.dtype) for k, v in tensors.items()])
     for tensor in tensors.values():
         stream.write(tensor)
     stream.close()
-    loaded = load_file(str(tmp_path / "x.safetensors"))
+    loaded = load_file(path)
     assert loaded.keys() == tensors.keys()
     assert all(torch.equal(loaded[k], v) for k, v in tensors.items())
-    assert synced  # a sync ran while tensors were still being written (close uses fsync)
+    assert os.path.getsize(path) > 4 * direct_io.BLOCK  # it did span several staging buffers
+
+
+def test_a_failed_fetch_leaves_no_file_open(tmp_path):
+    """A read that fails mid-export (a corrupt shard) closes the file being written before the error surfaces."""
+    from hf_fsdp2.hf_export import TensorSpec, write_weights
+
+    specs = [TensorSpec(f"t{i}", (1000,), torch.float32) for i in range(4)]
+
+    def fetch(spec: TensorSpec) -> torch.Tensor:
+        if spec.name == "t2":
+            raise ValueError("corrupt shard")
+        return torch.ones(1000)
+
+    open_before = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(ValueError, match="corrupt shard"):
+        write_weights(str(tmp_path), specs, fetch)
+    assert len(os.listdir("/proc/self/fd")) == open_before
 
 
 def test_shard_plan_is_huggingface_hubs_and_write_order_follows_it():
