@@ -266,6 +266,10 @@ def test_sweep_sets_each_phase_against_its_physical_limit_on_fixed_numbers():
     assert big["consolidate_s_limit"] == 10.0 and big["consolidate_s_x_limit"] == 0.9  # 4 GiB read at 2, written at 0.5
     markdown = render_markdown({"nproc": 2, "results": sized})
     assert "4G (4096 MiB files): disk write (fsync'd) 0.50, cached read 2.00" in markdown
+    # Rates measured both ways name both writers; the limit takes the faster.
+    slow.update(disk_write_buffered=0.25 * gib, disk_write_direct=0.5 * gib)
+    both = render_markdown({"nproc": 2, "results": sized})
+    assert "disk write (fsync'd) 0.50 (buffered 0.25, O_DIRECT 0.50), cached read 2.00" in both
     # A load's bytes land in new memory: where copying into new memory is slower than the cached read, that is
     # its limit; a resume (into tensors that exist) keeps the cached read.
     copy_bound = {"disk_write": 1 * gib, "cached_read": 4 * gib, "memory_copy": 2 * gib}
@@ -275,6 +279,15 @@ def test_sweep_sets_each_phase_against_its_physical_limit_on_fixed_numbers():
     assert "a load's bytes land in new memory, so at the slower of cached read and memory copy" in markdown
     # the step time: each step's slowest rank, warm-up left out
     assert slowest_steps([{"step_s": [9.0, 1.0, 3.0]}, {"step_s": [8.0, 2.0, 1.0]}], warmup=1) == [2.0, 3.0]
+
+
+def test_disk_yardstick_is_the_faster_of_buffered_and_o_direct_writes(tmp_path):
+    """The disk write rate is measured both ways, on a real file, and the limit uses the faster."""
+    from benchmark_sweep import measure_bandwidth
+
+    rates = measure_bandwidth(str(tmp_path), 1 << 24)
+    assert rates["disk_write"] == max(rates["disk_write_buffered"], rates.get("disk_write_direct", 0.0)) > 0
+    assert os.listdir(tmp_path) == []  # the yardstick files are removed
 
 
 def test_sweep_trains_with_sgd_and_leaves_out_what_would_not_fit(monkeypatch):
