@@ -14,6 +14,8 @@ import os
 import pickle
 import shutil
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -22,6 +24,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
@@ -30,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from .direct_io import DirectStream
 from .distcp_reader import SafeFileSystemReader
 from .distributed import is_rank0, raise_if_any_rank
 from .facts import facts_of
@@ -47,6 +51,39 @@ OPTIMIZER_DIR = "optimizer_0"
 MODEL_KEY = "model"
 OPTIMIZER_KEY = "optimizer"
 METADATA_FILE = ".metadata"
+
+
+class DirectWriteFileSystem(FileSystem):
+    """DCP's local file system, with every file it creates written by direct_io (O_DIRECT from a background
+    thread) instead of through the page cache.
+
+    NOTE: measured on the development VM, one process saving 2.49 GB with `dcp.save`: 3.9-7.2 s with DCP's own
+    buffered files, 1.6 s through this, the same bytes read back.
+    """
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
+        if mode != "wb":
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        stream = DirectStream(str(path))
+        try:
+            yield stream
+        except BaseException:
+            stream.file.abort()
+            raise
+        stream.close()  # durable here: the tail written, the file cut to length and fsynced
+
+
+def storage_writer(path: str) -> FileSystemWriter:
+    """DCP's file writer for `path`, writing through DirectWriteFileSystem."""
+    writer = FileSystemWriter(path)
+    # NOTE: FileSystemWriter builds its FileSystem in __init__ and offers no argument for another; every file it
+    # writes goes through `self.fs.create_stream` (torch 2.13-2.15, the pinned range; guarded by
+    # tests/test_checkpoint.py::test_dcp_files_are_written_through_direct_io).
+    writer.fs = DirectWriteFileSystem()
+    return writer
 
 
 def model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -229,7 +266,7 @@ def save_sharded(
     if optimizer is not None:
         parts.append((OPTIMIZER_DIR, {OPTIMIZER_KEY: get_optimizer_state_dict(model, optimizer)}))
     for folder, state in parts:
-        writer = FileSystemWriter(os.path.join(directory, folder))
+        writer = storage_writer(os.path.join(directory, folder))
         if saver is not None:
             pending.append(
                 dcp.async_save(

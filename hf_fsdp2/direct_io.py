@@ -13,9 +13,12 @@ took 7.8-14.9 s, O_DIRECT writes from a background thread 3.2-4.3 s, the same by
 from __future__ import annotations
 
 import errno
+import io
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
+import numpy as np
 import torch
 from transformers.utils import logging
 
@@ -47,6 +50,13 @@ def aligned_buffer(nbytes: int) -> torch.Tensor:
     return raw[start : start + nbytes]
 
 
+def as_bytes(data: torch.Tensor | bytes | bytearray | memoryview) -> np.ndarray:
+    """A flat uint8 array over `data`'s bytes, without a copy (read-only bytes stay read-only)."""
+    if isinstance(data, torch.Tensor):
+        return data.reshape(-1).view(torch.uint8).numpy()
+    return np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
+
+
 def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
     """Write all of `data` at `offset` (a pwrite may write less than asked)."""
     done = 0
@@ -66,7 +76,7 @@ class DirectFileWriter:
             raise ValueError(f"chunk_bytes={chunk_bytes}: must be a positive multiple of {BLOCK} (O_DIRECT alignment)")
         self.path = path
         self.fd, self.direct = open_for_append(path)
-        self.buffers = [aligned_buffer(chunk_bytes), aligned_buffer(chunk_bytes)]
+        self.buffers = [aligned_buffer(chunk_bytes).numpy(), aligned_buffer(chunk_bytes).numpy()]
         self.in_flight: list[Future | None] = [None, None]
         self.current = 0  # the buffer being filled
         self.fill = 0  # bytes in it
@@ -74,15 +84,16 @@ class DirectFileWriter:
         self.unsynced = 0
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_fsdp2-writer")
 
-    def write(self, data: torch.Tensor) -> None:
-        """Append the bytes of a contiguous CPU tensor (a failed earlier write closes the file and raises)."""
-        source = data.reshape(-1).view(torch.uint8)
-        chunk = self.buffers[0].numel()
+    def write(self, data: torch.Tensor | bytes | bytearray | memoryview) -> None:
+        """Append the bytes of a contiguous CPU tensor or a bytes-like object (a failed earlier write closes the
+        file and raises)."""
+        source = as_bytes(data)
+        chunk = len(self.buffers[0])
         done = 0
         try:
-            while done < source.numel():
-                take = min(chunk - self.fill, source.numel() - done)
-                self.buffers[self.current][self.fill : self.fill + take].copy_(source[done : done + take])
+            while done < len(source):
+                take = min(chunk - self.fill, len(source) - done)
+                self.buffers[self.current][self.fill : self.fill + take] = source[done : done + take]
                 self.fill += take
                 done += take
                 if self.fill == chunk:
@@ -93,7 +104,7 @@ class DirectFileWriter:
 
     def _hand_over(self, length: int) -> None:
         """Start writing the current buffer in the background; wait until the other one is free to fill."""
-        view = memoryview(self.buffers[self.current].numpy())[:length]
+        view = memoryview(self.buffers[self.current])[:length]
         self.in_flight[self.current] = self.worker.submit(self._write_chunk, view, self.offset)
         self.offset += length
         self.fill = 0
@@ -126,7 +137,7 @@ class DirectFileWriter:
             if self.fill:
                 # O_DIRECT writes whole blocks: pad the tail with zeros, then cut the file back to `size`.
                 padded = -(-self.fill // BLOCK) * BLOCK if self.direct else self.fill
-                self.buffers[self.current][self.fill : padded].zero_()
+                self.buffers[self.current][self.fill : padded] = 0
                 self._hand_over(padded)
             self._wait(0)
             self._wait(1)
@@ -142,3 +153,41 @@ class DirectFileWriter:
         self.worker.shutdown(wait=True)
         os.close(self.fd)
         self.fd = -1
+
+
+class DirectStream(io.RawIOBase):
+    """A write-only file object over a DirectFileWriter, for code that writes to streams (torch DCP's writer).
+
+    NOTE: `fileno()` is the real descriptor, but bytes may still sit in the staging buffers: an fsync through it
+    alone proves nothing. `close()` writes them, cuts the file to length and fsyncs; only then is it durable.
+    """
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.file = DirectFileWriter(path)
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        """Append `data` (bytes-like or a CPU tensor); return its length in bytes."""
+        self.file.write(data)
+        return data.numel() * data.element_size() if isinstance(data, torch.Tensor) else memoryview(data).nbytes
+
+    def tell(self) -> int:
+        return self.file.offset + self.file.fill
+
+    def fileno(self) -> int:
+        return self.file.fd
+
+    def flush(self) -> None:
+        """Nothing to do: bytes reach the disk a staging buffer at a time, and all of them at `close`."""
+
+    def close(self) -> None:
+        """Make the file durable and close it (after a failed write it is only closed: that error was raised)."""
+        if not self.closed:
+            try:
+                if self.file.fd >= 0:
+                    self.file.close()
+            finally:
+                super().close()

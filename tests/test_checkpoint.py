@@ -255,3 +255,49 @@ def test_a_run_accelerate_started_finishes_exactly_with_fsdp2_trainer(tmp_path, 
     assert len(theirs) == 4 and len(ours) == 4  # the resumed history holds the checkpoint's two steps
     assert all(abs(a - b) <= 1e-5 for a, b in zip(theirs[2:], ours[2:], strict=True)), (theirs, ours)
     assert result["max_weight_diff"] <= 1e-5
+
+
+def test_dcp_files_are_written_through_direct_io(tmp_path, monkeypatch):
+    """Every file DCP writes for us goes through direct_io, and the checkpoint reads back exactly."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from hf_fsdp2 import checkpoint
+    from hf_fsdp2.direct_io import DirectStream
+
+    written = []
+
+    class Recorded(DirectStream):
+        def __init__(self, path: str) -> None:
+            written.append(os.path.basename(path))
+            super().__init__(path)
+
+    monkeypatch.setattr(checkpoint, "DirectStream", Recorded)
+    state = {"a": torch.randn(1000, 7), "b": torch.arange(5), "c": torch.randn(3).to(torch.bfloat16)}
+    folder = str(tmp_path / "dcp")
+    dcp.save(state, storage_writer=checkpoint.storage_writer(folder), no_dist=True)
+    data_files = [name for name in os.listdir(folder) if name != ".metadata"]
+    assert data_files and sorted(written) == sorted([*data_files, ".metadata.tmp"])  # then renamed to .metadata
+    back = {key: torch.zeros_like(value) for key, value in state.items()}
+    dcp.load(back, checkpoint_id=folder, no_dist=True)
+    assert all(torch.equal(back[key], state[key]) for key in state)
+
+
+def test_a_full_disk_fails_the_dcp_save_loudly(tmp_path, monkeypatch):
+    import errno
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from hf_fsdp2 import checkpoint, direct_io
+
+    def full_disk(fd: int, data: memoryview, offset: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(direct_io, "pwrite_all", full_disk)
+    open_before = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(CheckpointException, match="No space left"):  # DCP's own (a BaseException)
+        dcp.save({"a": torch.randn(100)}, storage_writer=checkpoint.storage_writer(str(tmp_path / "x")), no_dist=True)
+    assert len(os.listdir("/proc/self/fd")) == open_before
+    assert not os.path.exists(tmp_path / "x" / ".metadata")  # no folder that looks complete

@@ -79,3 +79,27 @@ def test_a_failed_background_write_is_raised_and_the_file_closed(tmp_path, monke
 def test_chunk_size_must_keep_o_direct_alignment(tmp_path):
     with pytest.raises(ValueError, match="multiple of 4096"):
         DirectFileWriter(str(tmp_path / "out.bin"), chunk_bytes=1000)
+
+
+def test_stream_takes_every_bytes_like_object_and_tells_its_offset(tmp_path):
+    """DCP writes bytes, memoryviews and pickles through the stream and records offsets from tell()."""
+    import pickle
+
+    from hf_fsdp2.direct_io import DirectStream
+
+    path = str(tmp_path / "stream.bin")
+    stream = DirectStream(path)
+    pieces = [b"header", bytearray(b"x" * 5000), memoryview(b"read-only view"), torch.arange(7, dtype=torch.int64)]
+    offsets = []
+    for piece in pieces:
+        offsets.append(stream.tell())
+        stream.write(piece)
+    offsets.append(stream.tell())
+    pickle.dump({"k": [1, 2]}, stream)
+    end = stream.tell()
+    stream.close()
+    stream.close()  # DCP closes inside its `with`, the context manager again after it
+    data = open(path, "rb").read()
+    assert len(data) == end and data[offsets[0] : offsets[1]] == b"header"
+    assert data[offsets[3] : offsets[4]] == torch.arange(7, dtype=torch.int64).numpy().tobytes()
+    assert pickle.loads(data[offsets[4] :]) == {"k": [1, 2]}
