@@ -13,6 +13,7 @@ took 7.8-14.9 s, O_DIRECT writes from a background thread 3.2-4.3 s, the same by
 from __future__ import annotations
 
 import errno
+import fcntl
 import io
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -113,7 +114,16 @@ class DirectFileWriter:
 
     def _write_chunk(self, view: memoryview, offset: int) -> None:
         """Runs in the worker: write one buffer; without O_DIRECT, sync now and then (see SYNC_EVERY)."""
-        pwrite_all(self.fd, view, offset)
+        try:
+            pwrite_all(self.fd, view, offset)
+        except OSError as error:
+            if not (self.direct and error.errno == errno.EINVAL):
+                raise
+            # Some filesystems (FUSE mounts) open with O_DIRECT and refuse the writes: go on through the cache.
+            logger.info("%s: the filesystem refuses O_DIRECT writes; writing through the page cache.", self.path)
+            fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+            self.direct = False
+            pwrite_all(self.fd, view, offset)
         if not self.direct:
             self.unsynced += len(view)
             if self.unsynced >= SYNC_EVERY:

@@ -103,3 +103,21 @@ def test_stream_takes_every_bytes_like_object_and_tells_its_offset(tmp_path):
     assert len(data) == end and data[offsets[0] : offsets[1]] == b"header"
     assert data[offsets[3] : offsets[4]] == torch.arange(7, dtype=torch.int64).numpy().tobytes()
     assert pickle.loads(data[offsets[4] :]) == {"k": [1, 2]}
+
+
+def test_o_direct_writes_refused_after_opening_go_on_through_the_cache(tmp_path, monkeypatch):
+    """A filesystem that opens with O_DIRECT but refuses its writes (some FUSE mounts) still gets every byte."""
+    import fcntl
+
+    real = direct_io.pwrite_all
+
+    def refuse_direct(fd: int, data: memoryview, offset: int) -> None:
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & getattr(os, "O_DIRECT", 0):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        real(fd, data, offset)
+
+    monkeypatch.setattr(direct_io, "pwrite_all", refuse_direct)
+    path = str(tmp_path / "out.bin")
+    expected = write_pieces(path)
+    with open(path, "rb") as f:
+        assert f.read() == expected
