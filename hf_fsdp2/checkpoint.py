@@ -76,9 +76,11 @@ class DirectWriteFileSystem(FileSystem):
         stream.close()  # durable here: the tail written, the file cut to length and fsynced
 
 
-def storage_writer(path: str) -> FileSystemWriter:
-    """DCP's file writer for `path`, writing through DirectWriteFileSystem."""
+def storage_writer(path: str, direct: bool = True) -> FileSystemWriter:
+    """DCP's file writer for `path`: DCP's own buffered files, or with `direct` through DirectWriteFileSystem."""
     writer = FileSystemWriter(path)
+    if not direct:
+        return writer
     # NOTE: FileSystemWriter builds its FileSystem in __init__ and offers no argument for another; every file it
     # writes goes through `self.fs.create_stream` (torch 2.13-2.15, the pinned range; guarded by
     # tests/test_checkpoint.py::test_dcp_files_are_written_through_direct_io).
@@ -249,10 +251,12 @@ def save_sharded(
     optimizer: torch.optim.Optimizer | None,
     saver: AsyncSaver | None = None,
     include_model: bool = True,
+    direct: bool = False,
 ) -> list[Any]:
     """Write this rank's part of the model (and optimizer) under `directory`.
 
-    `include_model=False` writes only the optimizer (adapter checkpoints keep the weights in peft's files).
+    `include_model=False` writes only the optimizer (adapter checkpoints keep the weights in peft's files);
+    `direct=True` writes the files with O_DIRECT (FSDP2Config.checkpoint_writes="direct").
 
     With an `AsyncSaver` the state is copied to host memory now and written in the background; the
     returned futures finish when it is on disk. Otherwise it returns [] once written.
@@ -266,7 +270,7 @@ def save_sharded(
     if optimizer is not None:
         parts.append((OPTIMIZER_DIR, {OPTIMIZER_KEY: get_optimizer_state_dict(model, optimizer)}))
     for folder, state in parts:
-        writer = storage_writer(os.path.join(directory, folder))
+        writer = storage_writer(os.path.join(directory, folder), direct)
         if saver is not None:
             pending.append(
                 dcp.async_save(

@@ -15,6 +15,8 @@ import torch
 
 WrapPolicy = Literal["transformer_based_wrap", "size_based_wrap", "no_wrap"]
 WRAP_POLICIES: tuple[str, ...] = get_args(WrapPolicy)
+CheckpointWrites = Literal["cached", "direct"]
+CHECKPOINT_WRITES: tuple[str, ...] = get_args(CheckpointWrites)
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -176,6 +178,15 @@ class FSDP2Config:
             "under its checkpoint-N name only when complete."
         },
     )
+    checkpoint_writes: CheckpointWrites = field(
+        default="cached",
+        metadata={
+            "help": "How sharded checkpoints reach the disk: 'cached' through the page cache (a resume on the same "
+            "machine reads them from memory), or 'direct' with O_DIRECT from a background thread (saves measured "
+            "2.4-4.5x faster on the development VM's disk, but the files are not left in memory: a resume reads "
+            "them from disk, 2.5x slower in the benchmark's save-then-resume). Exports always write 'direct'."
+        },
+    )
     consolidate_on_train_end: bool = field(
         default=True,
         metadata={
@@ -227,6 +238,10 @@ class FSDP2Config:
         """Normalize CLI strings and reject bad values before any collective runs."""
         # NOTE: a str field, because HfArgumentParser parses no bool-or-int union; stored in one spelling.
         self.reshard_after_forward = str(_parse_reshard(self.reshard_after_forward)).lower()
+        if self.checkpoint_writes not in CHECKPOINT_WRITES:
+            raise ValueError(
+                f"checkpoint_writes={self.checkpoint_writes!r} is not valid; choose one of {list(CHECKPOINT_WRITES)}."
+            )
         if not callable(self.auto_wrap_policy) and self.auto_wrap_policy not in WRAP_POLICIES:
             raise ValueError(
                 f"auto_wrap_policy={self.auto_wrap_policy!r} is not valid; choose one of {list(WRAP_POLICIES)} "

@@ -336,7 +336,8 @@ class FSDP2Mixin:
         optimizer = None if self.args.save_only_model else _unwrap_optimizer(self.optimizer)
         if self.fsdp2_config.async_save and self._async_saver is None:
             self._async_saver = AsyncSaver()  # NOTE: creates process groups: a collective, as is every save.
-        pending = save_sharded(staging, self.model, optimizer, self._async_saver, include_model=not self._peft)
+        direct = self.fsdp2_config.checkpoint_writes == "direct"
+        pending = save_sharded(staging, self.model, optimizer, self._async_saver, not self._peft, direct)
         if self._peft:
             save_adapter(self.model, staging)  # small and gathered: written before training goes on
         self._save_checkpoint_files(staging)

@@ -46,6 +46,8 @@ def runs(tmp_path_factory, tiny) -> dict[str, str]:
             "four_to2",
             "async",
             "async_resumed",
+            "direct",
+            "direct_resumed",
             "limit",
             "mismatch",
             "auto_fresh",
@@ -75,6 +77,8 @@ def runs(tmp_path_factory, tiny) -> dict[str, str]:
             resumed_from(out["four_to2"], out["four"], "checkpoint-4", model=model),
             ckpt_run(out["async"], "--async-save", model=model),
             resumed_from(out["async_resumed"], out["async"], "checkpoint-4", model=model),
+            ckpt_run(out["direct"], "--async-save", "--checkpoint-writes", "direct", model=model),
+            resumed_from(out["direct_resumed"], out["direct"], "checkpoint-4", model=model),
             ckpt_run(out["limit"], "--save-total-limit", "1", model=model),
             resumed_from(out["mismatch"], out["reference"], "checkpoint-2", model=other),
             ckpt_run(out["auto_fresh"], "--resume", "auto", model=model),
@@ -178,6 +182,18 @@ def test_async_save_trains_identically_and_resumes_exactly(runs):
     expected, got = losses_by_step(runs["reference"]), losses_by_step(runs["async_resumed"])
     for step in (5, 6):
         assert abs(got[step] - expected[step]) <= 1e-6
+
+
+def test_direct_checkpoint_writes_resume_exactly(runs):
+    """checkpoint_writes="direct" (O_DIRECT files, here saved asynchronously) resumes as the cached writes do."""
+    expected, got = losses_by_step(runs["reference"]), losses_by_step(runs["direct_resumed"])
+    for step in (5, 6):
+        assert abs(got[step] - expected[step]) <= 1e-6
+    model_files = os.listdir(os.path.join(runs["direct"], "run", "checkpoint-6", "pytorch_model_fsdp_0"))
+    assert sorted(model_files) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    # rank 0's files, 3 saves: model and optimizer shards, and each folder's .metadata
+    assert sorted(load_result(runs["direct"])["direct_files"]) == sorted(["__0_0.distcp"] * 6 + [".metadata.tmp"] * 6)
+    assert load_result(runs["reference"])["direct_files"] == []  # the default: DCP's own buffered files
 
 
 def test_save_total_limit_rotates_checkpoints(runs):

@@ -103,3 +103,12 @@ def test_readme_configuration_reference_is_generated_from_the_dataclass():
         [sys.executable, script, "--check", os.path.join(root, "README.md")], capture_output=True, text=True
     )
     assert proc.returncode == 0, proc.stdout
+
+
+def test_checkpoint_writes_names_its_choices():
+    from hf_fsdp2 import FSDP2Config
+
+    assert FSDP2Config().checkpoint_writes == "cached"  # a resume on the same machine reads from memory
+    expected = r"checkpoint_writes='odirect' is not valid; choose one of \['cached', 'direct'\]"
+    with pytest.raises(ValueError, match=expected):
+        FSDP2Config(checkpoint_writes="odirect")

@@ -92,6 +92,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--save-total-limit", type=int, default=None)
     p.add_argument("--resume", default=None, help="a checkpoint path, 'last' (True) or 'auto'")
     p.add_argument("--async-save", action="store_true")
+    p.add_argument("--checkpoint-writes", default="cached")
     p.add_argument("--run-dir", default=None, help="output_dir of the run (default OUT/run)")
     p.add_argument("--tokenizer", action="store_true", help="pass a processing_class")
     p.add_argument("--lora", default=None, help="LoRA target modules, comma-separated (e.g. q_proj,v_proj)")
@@ -255,6 +256,7 @@ def train(argv: list[str]) -> None:
         cpu_offload=args.offload,
         min_num_params=1000,
         async_save=args.async_save,
+        checkpoint_writes=args.checkpoint_writes,
         merge_adapters_on_save=args.merge_adapters,
         gather_for_generate=not args.per_token_generate,
     )
@@ -274,7 +276,7 @@ def train(argv: list[str]) -> None:
     )
     disruptions = Disruptions(args)
     trainer.add_callback(disruptions)
-    result: dict = {"world": world}
+    result: dict = {"world": world, "direct_files": count_direct_files()}
     if args.evaluate_first:
         result["eval_before"] = trainer.evaluate()["eval_loss"]
     resume = True if args.resume == "last" else args.resume
@@ -346,6 +348,21 @@ def _counting_collectives():
     finally:
         for name, original in originals.items():
             setattr(dist, name, original)
+
+
+def count_direct_files() -> list[str]:
+    """Record every file this rank's checkpoints write through direct_io (the list fills as they are written)."""
+    from hf_fsdp2 import checkpoint
+
+    written: list[str] = []
+
+    class Counted(checkpoint.DirectStream):
+        def __init__(self, path: str) -> None:
+            written.append(os.path.basename(path))
+            super().__init__(path)
+
+    checkpoint.DirectStream = Counted
+    return written
 
 
 def main() -> None:
