@@ -183,7 +183,7 @@ class FSDP2Config:
         metadata={
             "help": "How sharded checkpoints reach the disk: 'cached' through the page cache (a resume on the same "
             "machine reads them from memory), or 'direct' with O_DIRECT from a background thread (saves measured "
-            "2.4-4.5x faster on the development VM's disk, but the files are not left in memory: a resume reads "
+            "2.3-4.6x faster on the development VM's disk, but the files are not left in memory: a resume reads "
             "them from disk, 2.5x slower in the benchmark's save-then-resume). Exports always write 'direct'."
         },
     )
