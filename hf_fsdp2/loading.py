@@ -381,8 +381,13 @@ def load_pretrained(model: nn.Module, shard: ShardFn, offload: bool = False) -> 
         initial = initial_values(model, plan, state)
         shard(model)
         device = materialize(model, offload, skip_nf4=True)
-        read_safetensors_shards(model, facts.source.path, plan, device)
+        # NOTE: what the checkpoint lacks goes into its shards before the checkpoint is read, so its full values
+        # (every LoRA matrix, whole, on every rank) are freed before the read's peak instead of held through it.
         copy_full_into_shards(model, initial)
+        del initial
+        if device.type == "cpu":
+            release_free_heap()
+        read_safetensors_shards(model, facts.source.path, plan, device)
     else:
         weights, buffers = _rank0_state(model, state)
         move_to_meta(model, facts.tie_groups)
