@@ -42,7 +42,7 @@ from .distributed import (
 from .facts import facts_of
 from .nf4 import global_mean_absmax, is_nf4, nf4_from_rows
 from .safetensors_reader import SliceReader
-from .skeleton import PretrainedSource, build_skeleton, first_meta_tensor, move_to_meta, set_tensor
+from .skeleton import PretrainedSource, build_skeleton, first_meta_tensor, loaded_values, move_to_meta, set_tensor
 
 ShardFn = Callable[[nn.Module], None]
 _INIT_FLAG = "_is_hf_initialized"
@@ -178,11 +178,13 @@ def initial_values(model: nn.Module, plan: SafetensorsPlan, state: torch.Tensor)
     """Full values of everything the checkpoint lacks, drawn as one process's from_pretrained (+ peft) would."""
     facts = facts_of(model)
     if not facts.is_peft:
+        values_loaded_into_skeleton(model)  # refuses any: a plain model's tensors all come from the checkpoint
         with rng_state(state):
             return init_missing(model, plan.missing)
     source = facts.source
-    replay = [n for n in plan.adapters if _get(model, n).is_meta]
-    given = {n: _get(model, n).detach().cpu() for n in plan.adapters if not _get(model, n).is_meta}
+    kept = values_loaded_into_skeleton(model)
+    replay = [n for n in plan.adapters if _get(model, n).is_meta and n not in kept]
+    given = {n: kept.get(n, _get(model, n)).detach().cpu() for n in plan.adapters if n not in replay}
     with rng_state(state):
         # A PEFT model's base is initialized as the unwrapped model it was built from, then its adapters.
         pristine = build_skeleton(source.path, source.auto_class, source.kwargs)
@@ -193,6 +195,36 @@ def initial_values(model: nn.Module, plan: SafetensorsPlan, state: torch.Tensor)
             values[name] = base_values[base_name(name)]
     # Adapters with values (e.g. loaded by PeftModel.from_pretrained) are rank 0's on every rank.
     values.update(broadcast_from_rank0(given) if given else {})
+    return values
+
+
+def values_loaded_into_skeleton(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapter values `load_state_dict` put into a skeleton's meta tensors (`PeftModel.from_pretrained` on
+    `hf_fsdp2.from_pretrained`'s skeleton), by `model`'s own names.
+
+    Raises:
+        ValueError: when a base tensor was given a value that way: the base is read from its checkpoint.
+    """
+    facts = facts_of(model)
+    skeleton = model.get_base_model() if facts.is_peft else model
+    kept = loaded_values(skeleton)
+    if not kept:
+        return {}
+    under_skeleton = dict([*skeleton.named_parameters(remove_duplicate=False), *skeleton.named_buffers()])
+    by_id = {id(under_skeleton[name]): value for name, value in kept.items() if name in under_skeleton}
+    values = {
+        name: by_id[id(tensor)]
+        for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]
+        if id(tensor) in by_id
+    }
+    base = [name for name in values if not is_adapter_tensor(name, facts.adapter_prefix)]
+    if base:
+        raise ValueError(
+            f"{base[0]}: a value was loaded into the meta skeleton of hf_fsdp2.from_pretrained (load_state_dict); "
+            f"its base weights are read from {facts.source.path if facts.source else 'the checkpoint'} when the "
+            "model is sharded. Load base weights after sharding (trainer.model), or pass a model object with real "
+            "weights."
+        )
     return values
 
 
@@ -398,6 +430,7 @@ def load_pretrained(model: nn.Module, shard: ShardFn, offload: bool = False) -> 
         del weights, buffers
         broadcast_buffers(model)
     facts.verify(model)
+    loaded_values(model.get_base_model() if facts.is_peft else model).clear()  # now in the shards
     return model
 
 
@@ -427,6 +460,7 @@ def _full_state_on_rank0(model: nn.Module) -> tuple[Rank0State, str | None]:
         if facts.is_peft:
             # The adapters as peft made them on this base; ones the skeleton already holds take precedence.
             given = {n: t for n, t in model.state_dict().items() if not t.is_meta}
+            given.update(values_loaded_into_skeleton(model))
             real = replay_adapters(real, model)
             real.load_state_dict(given, strict=False)
         model = real

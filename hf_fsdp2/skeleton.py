@@ -15,6 +15,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSeq2SeqLM
 
 SOURCE_ATTR = "_hf_fsdp2_source"
+LOADED_ATTR = "_hf_fsdp2_loaded"  # {name under the skeleton: value} that load_state_dict put into its meta tensors
 # from_pretrained kwargs that shape the model object rather than its config.
 _MODEL_KWARGS = ("dtype", "torch_dtype", "attn_implementation", "trust_remote_code")
 
@@ -49,7 +50,40 @@ def from_pretrained(path: str | os.PathLike, auto_class: Any = None, **kwargs: A
         auto_class = default_auto_class(path, kwargs.get("trust_remote_code", False))
     model = build_skeleton(path, auto_class, kwargs)
     setattr(model, SOURCE_ATTR, PretrainedSource(path, auto_class, dict(kwargs), rng_state, quantization))
+    setattr(model, LOADED_ATTR, {})
+    model.register_load_state_dict_pre_hook(_keep_values_loaded_into_meta)
     return model
+
+
+def _keep_values_loaded_into_meta(module: nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
+    """Keep a copy of each value `load_state_dict` puts into one of the skeleton's meta tensors.
+
+    NOTE: torch makes such a copy a no-op, so `PeftModel.from_pretrained(skeleton, adapter_dir)` kept none of the
+    saved adapter's weights and sharding initialized them afresh; `loading` takes the kept values instead.
+    """
+    kept = getattr(module, LOADED_ATTR)
+    for key, value in state_dict.items():
+        name = key[len(prefix) :]
+        if not key.startswith(prefix) or not isinstance(value, torch.Tensor) or value.is_meta:
+            continue
+        target = _tensor(module, name)
+        if target is not None and target.is_meta:
+            kept[name] = value.detach().to("cpu", copy=True)
+
+
+def _tensor(model: nn.Module, name: str) -> torch.Tensor | None:
+    """The parameter or buffer `name` of `model`, or None."""
+    module_name, _, leaf = name.rpartition(".")
+    try:
+        module = model.get_submodule(module_name)
+    except AttributeError:
+        return None
+    return module._parameters.get(leaf, module._buffers.get(leaf))
+
+
+def loaded_values(skeleton: nn.Module) -> dict[str, torch.Tensor]:
+    """What `load_state_dict` put into `skeleton`'s meta tensors, by name under the skeleton (see above)."""
+    return getattr(skeleton, LOADED_ATTR, {})
 
 
 def four_bit_quantization(kwargs: dict[str, Any]) -> str | None:

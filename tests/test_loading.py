@@ -116,3 +116,14 @@ def test_values_the_checkpoint_lacks_are_in_their_shards_and_freed_before_the_ch
     assert expected and held, "LoRA's matrices are what the checkpoint lacks"
     assert at_read["still held"] == [], "full initial values were still alive when the checkpoint read began"
     assert at_read["lora in shards"] is True
+
+
+def test_a_base_weight_loaded_into_the_skeleton_is_refused_naming_it(tiny):
+    """The base is read from its checkpoint when sharded: a value load_state_dict put into the skeleton's meta
+    tensor would otherwise vanish (torch makes that copy a no-op)."""
+    from hf_fsdp2 import FSDP2Config, prepare_model
+
+    skeleton = from_pretrained(tiny("llama"))
+    skeleton.load_state_dict({"model.norm.weight": torch.ones(skeleton.model.norm.weight.shape)}, strict=False)
+    with pytest.raises(ValueError, match=r"model.norm.weight: a value was loaded into the meta skeleton .* after"):
+        prepare_model(skeleton, FSDP2Config())

@@ -19,11 +19,30 @@ def out_dir(root, model: str, flags: tuple[str, ...], nproc: int) -> str:
     return os.path.join(str(root), f"{os.path.basename(model)}-{nproc}-{'-'.join(f.strip('-') for f in flags)}")
 
 
+def saved_adapter(tiny) -> str:
+    """A LoRA adapter saved as peft saves it, its B matrices non-zero (a fresh LoRA's are zeros)."""
+    from peft import LoraConfig, get_peft_model
+
+    from tests.workers.load_worker import LORA_KWARGS
+
+    folder = os.path.join(os.path.dirname(tiny("llama")), "llama-adapter")
+    if not os.path.exists(os.path.join(folder, "adapter_config.json")):
+        torch.manual_seed(3)
+        model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny("llama")), LoraConfig(**LORA_KWARGS))
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                torch.nn.init.normal_(param)
+        model.save_pretrained(folder)
+    return folder
+
+
 def planned_loads(tiny) -> list[tuple[str, tuple[str, ...], int]]:
     """Every load this module checks (model folder, flags, ranks), refusals included."""
     bin_llama = tiny("llama", safetensors=False)
     loads = [(tiny(m), ("--route", r), 2) for m in ("llama_tied", "gpt2") for r in ROUTES]
     loads += [
+        (tiny("llama"), ("--route", "from_pretrained", "--adapter", saved_adapter(tiny)), 2),
+        (bin_llama, ("--route", "from_pretrained", "--adapter", saved_adapter(tiny)), 2),
         (bin_llama, ("--route", "from_pretrained"), 2),
         (bin_llama, ("--route", "from_pretrained", "--lora"), 2),
         (tiny("llama"), ("--route", "from_pretrained", "--task", "classify"), 2),
@@ -105,6 +124,20 @@ def test_lora_on_a_bin_skeleton_loads_through_rank0_exactly_as_peft_on_one_proce
     ref = get_peft_model(AutoModelForCausalLM.from_pretrained(path), LoraConfig(**LORA_KWARGS)).state_dict()
     assert any("lora_A" in k for k in ref)
     assert_exactly(state, ref)
+
+
+@pytest.mark.parametrize("safetensors", [True, False], ids=["slices", "rank0"])
+def test_a_saved_adapter_loaded_onto_the_skeleton_keeps_its_weights(loads_root, tiny, safetensors):
+    """`PeftModel.from_pretrained(hf_fsdp2.from_pretrained(base), adapter_dir)`: torch copies into meta tensors as a
+    no-op, so the adapter's trained weights were lost and re-initialized; they must reach the shards as saved."""
+    from peft import PeftModel
+
+    path, adapter = tiny("llama", safetensors=safetensors), saved_adapter(tiny)
+    state, _ = load(loads_root, path, "--route", "from_pretrained", "--adapter", adapter)
+    ref = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path), adapter, is_trainable=True)
+    lora_b = [k for k in ref.state_dict() if "lora_B" in k]
+    assert lora_b and all(state[k].abs().sum() > 0 for k in lora_b), "the saved B matrices are non-zero"
+    assert_exactly(state, ref.state_dict())
 
 
 def test_sequence_classification_head_missing_from_checkpoint_matches_from_pretrained(loads_root, tiny):

@@ -32,6 +32,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--offload", action="store_true")
     p.add_argument("--lora", action="store_true", help="wrap the model with peft LoRA (q_proj, v_proj)")
+    p.add_argument("--adapter", default=None, help="wrap the model with this saved adapter (PeftModel.from_pretrained)")
     p.add_argument("--rank1-min-params", type=int, default=None, help="give rank 1 a different config")
     p.add_argument("--overwrite", action="store_true", help="zero the checkpoint's bytes in place once loaded")
     return p.parse_args(argv)
@@ -79,6 +80,11 @@ def load(argv: list[str]) -> None:
         from peft import LoraConfig, get_peft_model
 
         model = get_peft_model(from_pretrained(model) if isinstance(model, str) else model, LoraConfig(**LORA_KWARGS))
+    if args.adapter:
+        from peft import PeftModel
+
+        base = from_pretrained(model) if isinstance(model, str) else model
+        model = PeftModel.from_pretrained(base, args.adapter, is_trainable=True)
     trainer = FSDP2Trainer(model, training_args, fsdp2_config=config)
     model = trainer.model
     if args.overwrite:
