@@ -112,6 +112,11 @@ def facts_of(model: nn.Module) -> ModelFacts:
     return facts if facts is not None else ModelFacts.of(model)
 
 
+def unwrap_peft(model: nn.Module) -> nn.Module:
+    """The transformers model inside a PEFT wrapper (the model itself otherwise)."""
+    return model.get_base_model() if facts_of(model).is_peft else model
+
+
 def forward_source(model: nn.Module) -> str | None:
     """The source of the model class's forward, or None when it has none (a class built at run time)."""
     try:

@@ -39,7 +39,7 @@ from .distributed import (
     raise_if_any_rank,
     warn_rank0,
 )
-from .facts import facts_of
+from .facts import facts_of, unwrap_peft
 from .nf4 import global_mean_absmax, is_nf4, nf4_from_rows
 from .safetensors_reader import SliceReader
 from .skeleton import PretrainedSource, build_skeleton, first_meta_tensor, loaded_values, move_to_meta, set_tensor
@@ -206,7 +206,7 @@ def values_loaded_into_skeleton(model: nn.Module) -> dict[str, torch.Tensor]:
         ValueError: when a base tensor was given a value that way: the base is read from its checkpoint.
     """
     facts = facts_of(model)
-    skeleton = model.get_base_model() if facts.is_peft else model
+    skeleton = unwrap_peft(model)
     kept = loaded_values(skeleton)
     if not kept:
         return {}
@@ -370,7 +370,7 @@ def safetensors_shapes(path: str) -> dict[str, torch.Size] | None:
 
 def needs_conversion(model: nn.Module) -> str | None:
     """Name the reason the checkpoint's keys need transformers' own conversion, or None."""
-    model = model.get_base_model() if facts_of(model).is_peft else model
+    model = unwrap_peft(model)
     if not isinstance(model, PreTrainedModel):
         return None
     from transformers.conversion_mapping import get_model_conversion_mapping
@@ -430,7 +430,7 @@ def load_pretrained(model: nn.Module, shard: ShardFn, offload: bool = False) -> 
         del weights, buffers
         broadcast_buffers(model)
     facts.verify(model)
-    loaded_values(model.get_base_model() if facts.is_peft else model).clear()  # now in the shards
+    loaded_values(unwrap_peft(model)).clear()  # now in the shards
     return model
 
 

@@ -85,7 +85,7 @@ from .chunked_loss import chunked_loss, log_unchunked, why_not_chunked
 from .config import FSDP2Config
 from .consolidate import save_pretrained_sharded, write_model_files
 from .distributed import init_distributed, is_rank0, log_rank0, warn_rank0
-from .facts import describe, facts_of, forward_source
+from .facts import describe, facts_of, forward_source, unwrap_peft
 from .from_accelerate import resolve_config
 from .memory_plan import log_memory_plan
 from .model import clip_grad_norm, prepare_model
@@ -211,7 +211,7 @@ class FSDP2Mixin:
             )
         size = self.fsdp2_config.sequence_parallel_size
         if size > 1:
-            implementation = check_model(_unwrap_peft(model), size, dist.get_world_size())
+            implementation = check_model(unwrap_peft(model), size, dist.get_world_size())
             self._sequence_parallel = SequenceParallel(size, implementation)
             log_rank0(
                 "Sequence parallelism: groups of %d consecutive ranks share each row (%s attention per document, "
@@ -270,7 +270,7 @@ class FSDP2Mixin:
         if sequence_parallel is None:
             return super().training_step(model, inputs, num_items_in_batch)
         losses = []
-        config = _unwrap_peft(self.model).config
+        config = unwrap_peft(self.model).config
         for part in sequence_parallel.parts(inputs, num_items_in_batch):
             with ulysses(config, part.layout):
                 losses.append(super().training_step(model, part.inputs, part.num_items_in_batch))
@@ -296,7 +296,7 @@ class FSDP2Mixin:
         if self.fsdp2_config.effective_loss_chunk_size is None:
             return None
         if not hasattr(self, "_chunk_target"):
-            model = _unwrap_peft(self.model)
+            model = unwrap_peft(self.model)
             reason = why_not_chunked(model)
             if reason is None and self.args.label_smoothing_factor:
                 reason = "label smoothing reads the full logits"
@@ -607,7 +607,7 @@ def _loss_uses_num_items(model: nn.Module) -> bool:
     the loss by the number of ranks; a model that computes its own mean loss (T5, BART, sequence
     classification, a plain nn.Module) would then train on a loss (and gradients) N times too large.
     """
-    model = _unwrap_peft(model)
+    model = unwrap_peft(model)
     forward = forward_source(model)  # None (built at run time): keep Trainer's own rule
     if forward is not None and "loss_function" not in forward and "num_items_in_batch" not in forward:
         return False
@@ -623,7 +623,7 @@ def _loss_uses_num_items(model: nn.Module) -> bool:
 
 def _passes_num_items_to_loss(model: nn.Module) -> bool:
     """True when the model's forward calls `self.loss_function(..., **kwargs)`, which receives num_items_in_batch."""
-    forward = forward_source(_unwrap_peft(model)) or ""
+    forward = forward_source(unwrap_peft(model)) or ""
     call = forward.partition("self.loss_function(")[2].partition(")")[0]
     return "**kwargs" in call
 
@@ -634,11 +634,6 @@ def _own_compute_loss(trainer: Trainer) -> list[type]:
     rows sequence parallelism never holds."""
     mro = type(trainer).__mro__
     return [cls for cls in mro[: mro.index(Trainer)] if "compute_loss" in vars(cls) and cls is not FSDP2Mixin]
-
-
-def _unwrap_peft(model: nn.Module) -> nn.Module:
-    """The transformers model inside a PEFT wrapper (the model itself otherwise)."""
-    return model.get_base_model() if facts_of(model).is_peft else model
 
 
 def _check_sequence_parallel_trainer(trainer: Trainer) -> None:
