@@ -76,7 +76,7 @@ class DirectWriteFileSystem(FileSystem):
         stream.close()  # durable here: the tail written, the file cut to length and fsynced
 
 
-def storage_writer(path: str, direct: bool = True) -> FileSystemWriter:
+def storage_writer(path: str, direct: bool = False) -> FileSystemWriter:
     """DCP's file writer for `path`: DCP's own buffered files, or with `direct` through DirectWriteFileSystem."""
     writer = FileSystemWriter(path)
     if not direct:

@@ -291,7 +291,7 @@ def test_dcp_files_are_written_through_direct_io(tmp_path, monkeypatch):
     monkeypatch.setattr(checkpoint, "DirectStream", Recorded)
     state = {"a": torch.randn(1000, 7), "b": torch.arange(5), "c": torch.randn(3).to(torch.bfloat16)}
     folder = str(tmp_path / "dcp")
-    dcp.save(state, storage_writer=checkpoint.storage_writer(folder), no_dist=True)
+    dcp.save(state, storage_writer=checkpoint.storage_writer(folder, direct=True), no_dist=True)
     data_files = [name for name in os.listdir(folder) if name != ".metadata"]
     assert data_files and sorted(written) == sorted([*data_files, ".metadata.tmp"])  # then renamed to .metadata
     back = {key: torch.zeros_like(value) for key, value in state.items()}
@@ -313,7 +313,8 @@ def test_a_full_disk_fails_the_dcp_save_loudly(tmp_path, monkeypatch):
 
     monkeypatch.setattr(direct_io, "pwrite_all", full_disk)
     open_before = len(os.listdir("/proc/self/fd"))
+    writer = checkpoint.storage_writer(str(tmp_path / "x"), direct=True)
     with pytest.raises(CheckpointException, match="No space left"):  # DCP's own (a BaseException)
-        dcp.save({"a": torch.randn(100)}, storage_writer=checkpoint.storage_writer(str(tmp_path / "x")), no_dist=True)
+        dcp.save({"a": torch.randn(100)}, storage_writer=writer, no_dist=True)
     assert len(os.listdir("/proc/self/fd")) == open_before
     assert not os.path.exists(tmp_path / "x" / ".metadata")  # no folder that looks complete
