@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import PreTrainedModel
@@ -295,7 +296,8 @@ def read_safetensors_shards(model: nn.Module, path: str, plan: SafetensorsPlan, 
     problem = None
     try:
         dcp.load(state, storage_reader=SliceReader(path), no_dist=True)
-    except Exception as error:  # NOTE: raised on every rank just below, so no rank waits for a failed one.
+    except (Exception, CheckpointException) as error:  # NOTE: raised on every rank just below, so no rank waits
+        # for a failed one. DCP reports a failed read as a CheckpointException, a BaseException.
         problem = f"reading {path}: {type(error).__name__}: {error}"
     raise_if_any_rank(problem)
     for name in nf4:

@@ -32,8 +32,18 @@ def qlora(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     )  # fmt: skip
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(out / "model")
-    for mode, nproc in (("plain", 0), ("fsdp2", 2)):
-        run("qlora_worker.py", nproc, mode, str(out), str(out / "model"), *SCENARIOS, timeout=600)
+    run("qlora_worker.py", 0, "plain", str(out), str(out / "model"), *SCENARIOS, timeout=600)
+    run(
+        "qlora_worker.py",
+        2,
+        "fsdp2",
+        str(out),
+        str(out / "model"),
+        "failed_read",
+        "failed_nf4_read",
+        *SCENARIOS,
+        timeout=600,
+    )
     run("qlora_worker.py", 0, "fsdp2", str(out), str(out / "model"), "resume_elsewhere", timeout=600)
     results = {}
     for name in ("plain-1", "fsdp2-2", "fsdp2-1"):
@@ -69,6 +79,15 @@ def test_an_adapter_checkpoint_resumes_at_another_world_size(qlora):
     assert len(elsewhere["resumed"]) == 4  # steps 1-2 from the checkpoint's trainer state, 3-4 trained here
     for a, b in zip(elsewhere["resumed"][2:], two_ranks[2:], strict=True):
         assert abs(a - b) <= 1e-5, (elsewhere["resumed"], two_ranks)
+
+
+def test_a_read_failing_on_one_rank_fails_every_rank_naming_it(qlora):
+    """Each rank reads its slices alone; rank 1's failed read must not leave rank 0 waiting in the next collective."""
+    failed = qlora["fsdp2-2"]["failed_read"]
+    assert "loaded" not in failed
+    assert "rank 1: reading " in failed["error"], failed["error"]
+    assert "injected: the disk went away" in failed["error"]
+    assert "error" not in qlora["fsdp2-2"]["bnb_config"]  # the process group went on to the next scenario
 
 
 @pytest.mark.parametrize("shape", [(256, 256), (512, 256), (64, 16384), (2048, 1024)])

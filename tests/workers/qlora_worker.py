@@ -175,7 +175,29 @@ def trl_run(kind: str) -> dict[str, Any]:
     }
 
 
+def failed_read(key: str) -> dict[str, Any]:
+    """Rank 1 alone fails to read `key` (an I/O error injected into its reader): every rank must raise, naming
+    it, instead of rank 0 waiting forever in the next collective (an NF4 weight: its absmax all-gather)."""
+    from hf_fsdp2 import loading
+
+    original = loading.SliceReader.read_data
+
+    def read_data(self: Any, plan: Any, planner: Any) -> Any:
+        if any(item.storage_index.fqn == key for item in plan.items):
+            raise OSError("injected: the disk went away")
+        return original(self, plan, planner)
+
+    if int(os.environ.get("RANK", "0")) == 1:
+        loading.SliceReader.read_data = read_data
+    try:
+        trainer("failed_read", qlora_model())
+    finally:
+        loading.SliceReader.read_data = original
+    return {"loaded": True}
+
+
 SCENARIOS = {
+    "failed_read": lambda: failed_read("model.embed_tokens.weight"),
     "sft": lambda: trl_run("sft"),
     "dpo": lambda: trl_run("dpo"),
     "merged": merged,
