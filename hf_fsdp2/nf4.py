@@ -17,8 +17,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .nf4_nearest import nearest_codes
+
 BLOCK, SCALER_BLOCK = 64, 256  # torchao's defaults (and QLoRA's)
-NEAREST_CHUNK = 2**15  # values per nearest-level search: two 32K x 16 matrices, 4 MiB in fp32
+NEAREST_CHUNK = 2**18  # values scaled and coded at once: about 5 MiB of buffers (nf4_nearest)
 _SKIPPED_MODULES = ("lm_head", "embed", "wte", "wpe", "norm")
 
 
@@ -80,21 +82,56 @@ def describe_dense(dense: dict[str, str]) -> str:
 
 def quantize_skeleton(model: nn.Module, names: list[str]) -> None:
     """Make each named (meta) weight a frozen NF4 parameter, before sharding, so FSDP2 gathers it in 4 bits."""
-    nf4 = _torchao_nf4()
     for name in names:
         module_name, _, leaf = name.rpartition(".")
         module = model.get_submodule(module_name)
-        weight = module._parameters[leaf]
-        module._parameters[leaf] = nn.Parameter(nf4.to_nf4(weight.detach(), BLOCK, SCALER_BLOCK), requires_grad=False)
+        module._parameters[leaf] = nn.Parameter(meta_nf4(module._parameters[leaf]), requires_grad=False)
+
+
+def meta_nf4(weight: torch.Tensor) -> torch.Tensor:
+    """The NF4 form of a meta weight, built from its shape alone.
+
+    NOTE: torchao's `to_nf4` on a meta weight runs its whole quantization as meta ops: 8 ms a weight, 0.67 s for
+    the 84 weights of the benchmark's 100M Llama on every rank (cProfile), for tensors that hold no values.
+    tests/test_qlora.py checks that every inner tensor's shape, stride and dtype equal `to_nf4`'s.
+    """
+    n_blocks = weight.numel() // BLOCK
+
+    def empty(*shape: int, dtype: torch.dtype = weight.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device=weight.device)
+
+    return _nf4_tensor(
+        weight,
+        scalers=empty(n_blocks, dtype=torch.int8),
+        factor=empty(n_blocks // SCALER_BLOCK),
+        mean=empty(),
+        codes=empty(weight.numel() // 2, dtype=torch.uint8),
+        levels=empty(16),
+    )
+
+
+def _nf4_tensor(
+    like: torch.Tensor,
+    scalers: torch.Tensor,
+    factor: torch.Tensor,
+    mean: torch.Tensor,
+    codes: torch.Tensor,
+    levels: torch.Tensor,
+) -> torch.Tensor:
+    """torchao's NF4Tensor of `like`'s shape, dtype and device from its inner tensors."""
+    nf4 = _torchao_nf4()
+    meta = nf4.SubclassTensorArgs(like.size(), like.stride(), 0, like.dtype, like.device, False)
+    return nf4.NF4Tensor(meta, BLOCK, like.numel() // BLOCK, SCALER_BLOCK, scalers, factor, mean, codes, nf4=levels)
 
 
 @torch.no_grad()
-def nf4_from_rows(rows: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
-    """This rank's NF4 shard of a weight from its own rows and the whole tensor's mean block absmax."""
+def nf4_from_rows(rows: torch.Tensor, mean: torch.Tensor, block_absmax: torch.Tensor | None = None) -> torch.Tensor:
+    """This rank's NF4 shard of a weight from its own rows and the whole tensor's mean block absmax
+    (`block_absmax`: the rows' own, when `global_mean_absmax` already computed it)."""
     nf4 = _torchao_nf4()
     rows = rows.contiguous()
     flat = rows.flatten()
-    block_absmax = nf4.get_block_absmax(flat, BLOCK)
+    block_absmax = nf4.get_block_absmax(flat, BLOCK) if block_absmax is None else block_absmax
     scalers = block_absmax - mean
     n_scaler_blocks = scalers.numel() // SCALER_BLOCK
     absmax = nf4.get_block_absmax(scalers, SCALER_BLOCK).unsqueeze(-1).expand(n_scaler_blocks, SCALER_BLOCK)
@@ -102,38 +139,34 @@ def nf4_from_rows(rows: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
     quantized_scalers = (scalers.view(n_scaler_blocks, SCALER_BLOCK) * factor).round().clamp(-128, 127)
     zeros = torch.zeros(BLOCK * SCALER_BLOCK, dtype=rows.dtype, device=rows.device)
     levels = nf4.NF4Tensor.from_tensor(zeros, BLOCK, SCALER_BLOCK).nf4  # torchao's 16 NF4 levels
-    n_blocks = flat.numel() // BLOCK
-    meta = nf4.SubclassTensorArgs(rows.size(), rows.stride(), 0, rows.dtype, rows.device, False)
-    return nf4.NF4Tensor(
-        meta,
-        BLOCK,
-        n_blocks,
-        SCALER_BLOCK,
-        quantized_scalers.flatten().to(torch.int8),
-        factor[:, 0].clone(memory_format=torch.contiguous_format),  # stride 1 even for one block (FSDP views it)
-        mean,
-        _nf4_codes(flat, block_absmax, levels),
-        nf4=levels,
+    return _nf4_tensor(
+        rows,
+        scalers=quantized_scalers.flatten().to(torch.int8),
+        factor=factor[:, 0].clone(memory_format=torch.contiguous_format),  # stride 1 even for one block (FSDP views it)
+        mean=mean,
+        codes=_nf4_codes(flat, block_absmax, levels),
+        levels=levels,
     )
 
 
 def _nf4_codes(flat: torch.Tensor, absmax: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
-    """The packed 4-bit codes of `flat`: torchao's own scaling and nearest-level search, chunk by chunk, so the
-    buffers stay far below the weight's size (torchao's 1M-value chunks build two 1M x 16 difference matrices,
-    128 MiB in fp32, after scaling the whole weight at once)."""
+    """The packed 4-bit codes of `flat`: torchao's own scaling and, bit-equal, its nearest-level search
+    (`nf4_nearest`), chunk by chunk, so the buffers stay far below the weight's size (torchao scales the whole
+    weight at once, then builds two 1M x 16 difference matrices per 1M values, 128 MiB in fp32)."""
     nf4 = _torchao_nf4()
     blocks, per_chunk = flat.view(-1, BLOCK), NEAREST_CHUNK // BLOCK
     packed = torch.empty(flat.numel() // 2, dtype=torch.uint8, device=flat.device)
     for first in range(0, blocks.size(0), per_chunk):
         scaled = (blocks[first : first + per_chunk] / absmax[first : first + per_chunk].unsqueeze(-1)).flatten()
-        codes = nf4.NF4Tensor.quantize_tensor_nearest(scaled, levels).to(torch.uint8)
+        codes = nearest_codes(scaled, levels, nf4.NF4Tensor.quantize_tensor_nearest)
         start = first * BLOCK // 2
         packed[start : start + codes.numel() // 2] = codes[::2] << 4 | codes[1::2]  # two codes per byte, as torchao
     return packed
 
 
-def global_mean_absmax(rows: torch.Tensor, group: Any = None) -> torch.Tensor:
-    """The mean of every block absmax of the whole tensor, as one process computes it over the whole vector.
+def global_mean_absmax(rows: torch.Tensor, group: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mean of every block absmax of the whole tensor, as one process computes it over the whole vector, and
+    the block absmax values of `rows` (for `nf4_from_rows`).
 
     `group`: the ranks holding the other rows (None: `rows` is the whole tensor).
     NOTE: collective over `group` (an all-gather of this rank's absmax values); its ranks call it for the same
@@ -142,10 +175,10 @@ def global_mean_absmax(rows: torch.Tensor, group: Any = None) -> torch.Tensor:
     nf4 = _torchao_nf4()
     local = nf4.get_block_absmax(rows.contiguous().flatten(), BLOCK)
     if group is None or dist.get_world_size(group) == 1:
-        return local.mean()
+        return local.mean(), local
     parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, local, group=group)
-    return torch.cat(parts).mean()
+    return torch.cat(parts).mean(), local
 
 
 def stored_bytes(tensor: torch.Tensor) -> int:

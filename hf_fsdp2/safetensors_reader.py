@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import HuggingFaceStorageReader
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
@@ -60,14 +61,29 @@ def pread_into(fd: int, buffer: torch.Tensor, offset: int) -> None:
 
 
 class SliceReader(HuggingFaceStorageReader):
-    """Load planner items from safetensors files with positioned reads instead of a memory map."""
+    """Load planner items from safetensors files with positioned reads instead of a memory map.
+
+    One reader may serve several `dcp.load` calls (loading reads NF4 weights one at a time): it parses the
+    files' headers once, not once per call and file (2 ms per call for the benchmark's one-file 100M Llama).
+    """
+
+    def read_metadata(self) -> Metadata:
+        if getattr(self, "_metadata", None) is None:
+            self._metadata = super().read_metadata()
+        return self._metadata
+
+    def _header(self, path: str) -> tuple[dict[str, Any], int]:
+        headers = self.__dict__.setdefault("_headers", {})
+        if path not in headers:
+            headers[path] = read_header(path)
+        return headers[path]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         per_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
         for path, items in per_file.items():
-            header, data_start = read_header(path)
+            header, data_start = self._header(path)
             fd = os.open(path, os.O_RDONLY)
             try:
                 for item in items:

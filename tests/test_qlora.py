@@ -81,13 +81,43 @@ def test_an_adapter_checkpoint_resumes_at_another_world_size(qlora):
         assert abs(a - b) <= 1e-5, (elsewhere["resumed"], two_ranks)
 
 
-def test_a_read_failing_on_one_rank_fails_every_rank_naming_it(qlora):
-    """Each rank reads its slices alone; rank 1's failed read must not leave rank 0 waiting in the next collective."""
-    failed = qlora["fsdp2-2"]["failed_read"]
+@pytest.mark.parametrize(
+    "scenario, named",
+    [
+        ("failed_read", "rank 1: reading "),
+        ("failed_nf4_read", "rank 1: reading model.layers.1.self_attn.k_proj.weight"),
+    ],
+)
+def test_a_read_failing_on_one_rank_fails_every_rank_naming_it(qlora, scenario, named):
+    """Each rank reads its slices alone (an NF4 weight's rows too); rank 1's failed read must not leave rank 0
+    waiting in the next collective."""
+    failed = qlora["fsdp2-2"][scenario]
     assert "loaded" not in failed
-    assert "rank 1: reading " in failed["error"], failed["error"]
+    assert named in failed["error"], failed["error"]
     assert "injected: the disk went away" in failed["error"]
     assert "error" not in qlora["fsdp2-2"]["bnb_config"]  # the process group went on to the next scenario
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_skeleton_nf4_weight_has_torchaos_inner_tensors(dtype):
+    """NF4 on the meta skeleton is built from shapes alone; each inner tensor as torchao's `to_nf4` makes it."""
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+
+    from hf_fsdp2.nf4 import meta_nf4
+
+    weight = torch.empty(512, 256, dtype=dtype, device="meta")
+    ours, theirs = meta_nf4(weight), to_nf4(weight)
+    assert type(ours) is type(theirs) and ours.shape == theirs.shape and ours.stride() == theirs.stride()
+    for name in ("quantized_scalers", "quantization_factor", "scaler_mean", "quantized_data", "nf4"):
+        mine, torchao = getattr(ours, name), getattr(theirs, name)
+        assert (mine.shape, mine.stride(), mine.dtype, mine.device) == (
+            torchao.shape,
+            torchao.stride(),
+            torchao.dtype,
+            torchao.device,
+        ), name
+    for name in ("block_size", "n_blocks", "scaler_block_size", "dtype", "requires_grad"):
+        assert getattr(ours, name) == getattr(theirs, name), name
 
 
 @pytest.mark.parametrize("shape", [(256, 256), (512, 256), (64, 16384), (2048, 1024)])

@@ -198,6 +198,7 @@ def failed_read(key: str) -> dict[str, Any]:
 
 SCENARIOS = {
     "failed_read": lambda: failed_read("model.embed_tokens.weight"),
+    "failed_nf4_read": lambda: failed_read("model.layers.1.self_attn.k_proj.weight"),
     "sft": lambda: trl_run("sft"),
     "dpo": lambda: trl_run("dpo"),
     "merged": merged,
