@@ -32,7 +32,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -178,12 +177,18 @@ def _run_ranks(command: list[str], nproc: int, result: str) -> dict:
 
     NOTE: started directly, not through torchrun: its agent added ~2 s per run (importing torch, rendezvous,
     teardown) to the benchmark's wall time and nothing to any measured phase, which start inside the ranks.
+    Like torchrun's agent, this process hosts the rendezvous store before the ranks start and they connect to it
+    (TORCHELASTIC_USE_AGENT_STORE). Otherwise rank 0 starts the store inside the first process group's creation,
+    a rank that connects before it listens retries after a back-off, and the process group took 0.48-0.55 s
+    instead of 2-5 ms in 2 of 10 launches of two ranks started together (0.3-0.7 s in 4 of 12 in another
+    try): a random half second in one system's load or another's, which torchrun users never pay.
     """
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(nproc)}
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, nproc, is_master=True, wait_for_workers=False)
+    base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "WORLD_SIZE": str(nproc)}
     base.update(LOCAL_WORLD_SIZE=str(nproc), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    base.update(TORCHELASTIC_USE_AGENT_STORE="True")
     logs = [tempfile.TemporaryFile(mode="w+") for _ in range(nproc)]
     with tempfile.TemporaryDirectory(prefix="benchmark-start-") as start:
         base[START_DIR_ENV] = start
