@@ -20,7 +20,7 @@ from torch import nn
 from .nf4_nearest import nearest_codes
 
 BLOCK, SCALER_BLOCK = 64, 256  # torchao's defaults (and QLoRA's)
-NEAREST_CHUNK = 2**18  # values scaled and coded at once: about 5 MiB of buffers (nf4_nearest)
+NEAREST_CHUNK = 2**16  # values scaled and coded at once: under 2 MiB of buffers (nf4_nearest)
 _SKIPPED_MODULES = ("lm_head", "embed", "wte", "wpe", "norm")
 
 
