@@ -68,11 +68,13 @@ class SliceReader(HuggingFaceStorageReader):
     """
 
     def read_metadata(self) -> Metadata:
+        """The checkpoint's tensors, from the files' headers parsed on the first call only."""
         if getattr(self, "_metadata", None) is None:
             self._metadata = super().read_metadata()
         return self._metadata
 
     def _header(self, path: str) -> tuple[dict[str, Any], int]:
+        """`read_header(path)`, parsed once per reader and file."""
         headers = self.__dict__.setdefault("_headers", {})
         if path not in headers:
             headers[path] = read_header(path)
