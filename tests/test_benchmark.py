@@ -330,6 +330,27 @@ def test_readme_size_sweep_table_is_the_committed_measurement():
     assert block.strip() == render_sweep(saved).strip()
 
 
+def test_readme_quotes_the_sweep_run_after_the_rendezvous_fix():
+    """The 100M/400M run with the launcher-hosted rendezvous store, quoted in the README per phase against its peer:
+    `python scripts/benchmark.py --sweep --from-json scripts/results/sweep_store.json`."""
+    from benchmark_sweep import PEERS
+
+    with open(os.path.join(ROOT, "scripts", "results", "sweep_store.json")) as f:
+        saved = json.load(f)
+    assert list(saved["results"]) == ["100M", "400M"]
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = " ".join(f.read().split())
+    for label, phase in [
+        ("load", "load_s"),
+        ("resume", "resume_s"),
+        ("consolidation", "consolidate_s"),
+        ("step", "step_s"),
+    ]:
+        sizes = saved["results"].values()
+        ratios = "/".join(f"{s['systems']['hf_fsdp2'][phase] / s['systems'][PEERS[phase]][phase]:.2f}" for s in sizes)
+        assert f"{label} {ratios}x" in readme, (label, ratios)
+
+
 def test_readme_sweep_repeat_ratios_are_the_committed_repeat():
     """The repeat run's ratios the README quotes (100M/400M per phase) are what scripts/results/sweep_repeat.json
     renders to: `python scripts/benchmark.py --sweep --from-json scripts/results/sweep_repeat.json`."""
