@@ -343,23 +343,26 @@ def _read_nf4(
     quantizing unread rows, so every rank still joins each weight's absmax all-gather; the caller raises after
     the last weight.
     """
-    distributed = isinstance(target, DTensor)  # else one shard: NF4 weights stay outside FSDP (see sharding)
-    shape, rows_device = (target.to_local().shape, device) if distributed else (target.shape, get_device())
-    rows = torch.empty(shape, dtype=target.dtype, device=rows_device)
-    if problem is None:
-        layout = dict(placements=target.placements, shape=target.shape, stride=target.stride()) if distributed else {}
-        request = DTensor.from_local(rows, target.device_mesh, **layout) if distributed else rows
-        try:
-            dcp.load({key: request}, storage_reader=reader, no_dist=True)
-        except (Exception, CheckpointException) as error:  # raised on every rank by the caller, after the last weight
-            problem = f"reading {key} from {reader.path}: {type(error).__name__}: {error}"
-    if not distributed:
+    if not isinstance(target, DTensor):  # one shard: NF4 weights stay outside FSDP (see sharding)
+        rows = torch.empty(target.shape, dtype=target.dtype, device=get_device())
+        problem = _read_rows(rows, key, reader, problem)
         return nn.Parameter(nf4_from_rows(rows, *global_mean_absmax(rows)), requires_grad=False), problem
-    mesh = target.device_mesh
+    mesh, layout = target.device_mesh, dict(placements=target.placements, shape=target.shape, stride=target.stride())
+    rows = torch.empty(target.to_local().shape, dtype=target.dtype, device=device)
+    problem = _read_rows(DTensor.from_local(rows, mesh, **layout), key, reader, problem)
     local = nf4_from_rows(rows, *global_mean_absmax(rows, mesh.get_group(mesh.ndim - 1)))
-    return DTensor.from_local(
-        local, mesh, placements=target.placements, shape=target.shape, stride=target.stride()
-    ), problem
+    return DTensor.from_local(local, mesh, **layout), problem
+
+
+def _read_rows(rows: torch.Tensor, key: str, reader: SliceReader, problem: str | None) -> str | None:
+    """Fill `rows` with this rank's part of `key` unless an earlier read failed; the first problem, if any."""
+    if problem is not None:
+        return problem
+    try:
+        dcp.load({key: rows}, storage_reader=reader, no_dist=True)
+    except (Exception, CheckpointException) as error:  # raised on every rank by the caller, after the last weight
+        return f"reading {key} from {reader.path}: {type(error).__name__}: {error}"
+    return None
 
 
 @torch.no_grad()
