@@ -32,12 +32,12 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import forked_ranks  # noqa: E402
 from benchmark_report import emit_markdown, render_markdown, render_png, summarize  # noqa: E402
 from benchmark_worker import START_DIR_ENV  # noqa: E402
 from measure_load_memory import MIB, build_model  # noqa: E402
@@ -116,9 +116,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def _run(command: list[str], result: str) -> dict:
     """Run one measurement process; fail loudly with its output if it fails."""
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    proc = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"benchmark run failed: {' '.join(command)}\n{proc.stdout[-6000:]}")
+    with tempfile.TemporaryDirectory(prefix="benchmark-log-") as logs:
+        log = os.path.join(logs, "output")
+        code = forked_ranks.start(command, env, log).wait()
+        if code != 0:
+            with open(log) as f:
+                raise RuntimeError(f"benchmark run failed: {' '.join(command)}\n{f.read()[-6000:]}")
     with open(result) as f:
         return json.load(f)
 
@@ -182,6 +185,8 @@ def _run_ranks(command: list[str], nproc: int, result: str) -> dict:
     a rank that connects before it listens retries after a back-off, and the process group took 0.48-0.55 s
     instead of 2-5 ms in 2 of 10 launches of two ranks started together (0.3-0.7 s in 4 of 12 in another
     try): a random half second in one system's load or another's, which torchrun users never pay.
+    On a host without an accelerator the ranks are forked from a process that imported their modules once
+    (`forked_ranks`): torchrun's ranks each import them, which no phase measures.
     """
     from torch.distributed import TCPStore
 
@@ -189,11 +194,13 @@ def _run_ranks(command: list[str], nproc: int, result: str) -> dict:
     base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "WORLD_SIZE": str(nproc)}
     base.update(LOCAL_WORLD_SIZE=str(nproc), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     base.update(TORCHELASTIC_USE_AGENT_STORE="True")
-    logs = [tempfile.TemporaryFile(mode="w+") for _ in range(nproc)]
-    with tempfile.TemporaryDirectory(prefix="benchmark-start-") as start:
+    with tempfile.TemporaryDirectory(prefix="benchmark-start-") as start, tempfile.TemporaryDirectory() as logged:
         base[START_DIR_ENV] = start
+        logs = [os.path.join(logged, f"rank{r}.log") for r in range(nproc)]
+        for log in logs:  # a rank that dies before opening its log still has one to read
+            open(log, "w").close()
         ranks = [
-            subprocess.Popen(command, env={**base, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=log, stderr=log)
+            forked_ranks.start(command, {**base, "RANK": str(r), "LOCAL_RANK": str(r)}, log)
             for r, log in enumerate(logs)
         ]
         while any(rank.poll() is None for rank in ranks):
@@ -201,12 +208,12 @@ def _run_ranks(command: list[str], nproc: int, result: str) -> dict:
                 for rank in ranks:
                     rank.kill()
             time.sleep(0.05)
-    if any(rank.returncode != 0 for rank in ranks):
-        output = ""
-        for r, log in enumerate(logs):
-            log.seek(0)
-            output += f"--- rank {r} (exit {ranks[r].returncode}) ---\n{log.read()[-4000:]}\n"
-        raise RuntimeError(f"benchmark run failed: {' '.join(command)}\n{output}")
+        if any(rank.poll() != 0 for rank in ranks):
+            output = ""
+            for r, log in enumerate(logs):
+                with open(log) as f:
+                    output += f"--- rank {r} (exit {ranks[r].poll()}) ---\n{f.read()[-4000:]}\n"
+            raise RuntimeError(f"benchmark run failed: {' '.join(command)}\n{output}")
     with open(result) as f:
         return json.load(f)
 
