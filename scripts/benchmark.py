@@ -32,6 +32,7 @@ import argparse
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -114,14 +115,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _run(command: list[str], result: str) -> dict:
-    """Run one measurement process; fail loudly with its output if it fails."""
+    """Run one measurement process, a fresh interpreter (see forked_ranks); fail loudly with its output if it
+    fails."""
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    with tempfile.TemporaryDirectory(prefix="benchmark-log-") as logs:
-        log = os.path.join(logs, "output")
-        code = forked_ranks.start(command, env, log).wait()
-        if code != 0:
-            with open(log) as f:
-                raise RuntimeError(f"benchmark run failed: {' '.join(command)}\n{f.read()[-6000:]}")
+    proc = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"benchmark run failed: {' '.join(command)}\n{proc.stdout[-6000:]}")
     with open(result) as f:
         return json.load(f)
 

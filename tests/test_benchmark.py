@@ -199,6 +199,27 @@ def test_ranks_start_the_clock_together_after_a_slow_import(tmp_path):
     assert abs(passed[0] - passed[1]) < 0.3  # rank 0 waited for rank 1 before its clock would start
 
 
+@pytest.mark.parametrize("fresh", ["0", "1"])
+def test_a_rank_runs_its_script_with_its_own_environment_forked_or_fresh(tmp_path, monkeypatch, fresh):
+    """A forked rank (the default without an accelerator) starts with the workers' modules already imported and
+    runs the script as `python script args` would: its own argv, environment and output; a fresh one imports."""
+    import forked_ranks
+
+    monkeypatch.setenv(forked_ranks.FRESH_ENV, fresh)
+    script = tmp_path / "rank.py"
+    script.write_text(
+        "import json, os, sys\n"
+        "print(json.dumps([sys.argv[1:], os.environ['RANK'], 'benchmark_systems' in sys.modules, __name__]))\n"
+        "sys.exit(3)\n"
+    )
+    log = tmp_path / "out.log"
+    handle = forked_ranks.start([sys.executable, str(script), "a", "b"], {**os.environ, "RANK": "7"}, str(log))
+    assert handle.wait() == 3 and handle.returncode == 3
+    argv, rank, preloaded, name = json.loads(log.read_text().strip().splitlines()[-1])
+    assert (argv, rank, name) == (["a", "b"], "7", "__main__")
+    assert preloaded is (fresh == "0")
+
+
 def readme_block(name: str) -> str:
     """The README's text between <!-- NAME:begin --> and <!-- NAME:end -->."""
     readme = open(os.path.join(ROOT, "README.md")).read()
