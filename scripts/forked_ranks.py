@@ -22,7 +22,9 @@ fresh (4 processes in a quick run).
 On an accelerator host every process is a fresh interpreter, as before: a process that has touched the
 accelerator cannot be forked, and nothing here checks which import might.
 
-As with any multiprocessing start method but fork, each child imports the launching script's main module first
+A process has one fork server: where another was started first (the test suite's, tests/launch.py), its children
+import the workers' modules themselves, before their clocks, as fresh processes do. As with any multiprocessing
+start method but fork, each child imports the launching script's main module first
 (as `__mp_main__`): a driver script must keep its work under `if __name__ == "__main__":`, as benchmark.py does.
 """
 

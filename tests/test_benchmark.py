@@ -200,23 +200,29 @@ def test_ranks_start_the_clock_together_after_a_slow_import(tmp_path):
 
 
 @pytest.mark.parametrize("fresh", ["0", "1"])
-def test_a_rank_runs_its_script_with_its_own_environment_forked_or_fresh(tmp_path, monkeypatch, fresh):
+def test_a_rank_runs_its_script_with_its_own_environment_forked_or_fresh(tmp_path, fresh):
     """A forked rank (the default without an accelerator) starts with the workers' modules already imported and
-    runs the script as `python script args` would: its own argv, environment and output; a fresh one imports."""
-    import forked_ranks
-
-    monkeypatch.setenv(forked_ranks.FRESH_ENV, fresh)
-    script = tmp_path / "rank.py"
-    script.write_text(
+    runs the script as `python script args` would: its own argv, environment and output; a fresh one imports.
+    Driven from a process of its own, as the benchmark is (this one's fork server is the suite's, tests/launch)."""
+    rank = tmp_path / "rank.py"
+    rank.write_text(
         "import json, os, sys\n"
         "print(json.dumps([sys.argv[1:], os.environ['RANK'], 'benchmark_systems' in sys.modules, __name__]))\n"
         "sys.exit(3)\n"
     )
-    log = tmp_path / "out.log"
-    handle = forked_ranks.start([sys.executable, str(script), "a", "b"], {**os.environ, "RANK": "7"}, str(log))
-    assert handle.wait() == 3 and handle.returncode == 3
-    argv, rank, preloaded, name = json.loads(log.read_text().strip().splitlines()[-1])
-    assert (argv, rank, name) == (["a", "b"], "7", "__main__")
+    driver = tmp_path / "driver.py"
+    driver.write_text(
+        f"import os, sys\nsys.path.insert(0, {SCRIPTS!r})\nimport forked_ranks\n"
+        "if __name__ == '__main__':\n"
+        f"    handle = forked_ranks.start([sys.executable, {str(rank)!r}, 'a', 'b'], {{**os.environ, 'RANK': '7'}},\n"
+        f"                                {str(tmp_path / 'out.log')!r})\n"
+        "    print('exit', handle.wait(), handle.returncode)\n"
+    )
+    env = {**os.environ, "BENCHMARK_FRESH_PROCESSES": fresh}
+    proc = subprocess.run([sys.executable, str(driver)], capture_output=True, text=True, timeout=300, env=env)
+    assert "exit 3 3" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
+    argv, rank_env, preloaded, name = json.loads((tmp_path / "out.log").read_text().strip().splitlines()[-1])
+    assert (argv, rank_env, name) == (["a", "b"], "7", "__main__")
     assert preloaded is (fresh == "0")
 
 
