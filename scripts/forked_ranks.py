@@ -1,11 +1,11 @@
 """Start the benchmark's processes as forks of one process that imported the workers' modules once.
 
 Every run of the benchmark starts fresh Python processes (its ranks, then a consolidation tool), and each spent
-~6.5 s importing torch, transformers' Trainer, Accelerate, peft and datasets before its clock started: ~1.5 of
-the quick benchmark's ~6 minutes on 2 CPU cores, measuring nothing. On a host without an accelerator they are
-forked instead from multiprocessing's fork server, which imports those modules once (`PRELOAD`); each child then
-runs the same script with the same arguments and environment as the process it replaces (`runpy`), so every
-measured phase starts from the same imported state as in a fresh process.
+~6.5 s importing torch, transformers' Trainer, Accelerate, peft and datasets before its clock started: about 3 of
+the quick benchmark's 6.2 minutes on 2 CPU cores (measured 2026-11-26), measuring nothing. On a host without an
+accelerator they are forked instead from multiprocessing's fork server, which imports those modules once
+(`PRELOAD`); each child then runs the same script with the same arguments and environment as the process it
+replaces (`runpy`), so every measured phase starts from the same imported state as in a fresh process.
 
 Two things a fork shares that a fresh process owns, each measured and undone before the child's clock starts:
 - the server's Python heap, copied page by page on first write: Trainer's `gc.collect()` at the start of
@@ -15,7 +15,7 @@ Two things a fork shares that a fresh process owns, each measured and undone bef
   child's resident memory grew by them during its first phase (load peaks 214-217 against 201 MiB fresh, 294
   against 282 MiB for native loading) until the child maps the pages the server had resident
   (`MADV_POPULATE_READ`, from the server's `/proc/self/pagemap` taken after its imports).
-One difference stayed: a forked `hf_fsdp2.consolidate` peaked at 72-81 MiB against 66-70 MiB fresh (Accelerate's
+One difference stayed: a forked `hf_fsdp2.consolidate` peaked at 72-82 MiB against 66-70 MiB fresh (Accelerate's
 tool 442-444 MiB either way), from heap state the child inherits; so the benchmark starts its consolidation tools
 fresh (4 processes in a quick run).
 
@@ -47,9 +47,9 @@ import numpy as np
 # forked_ranks comes last: importing it in the server records what the imports before it left resident.
 PRELOAD = ["benchmark_worker", "benchmark_systems", "forked_ranks"]
 SERVER_ENV = "FORKED_RANKS_SERVER"  # set only while the fork server starts
-# Pages per pagemap read: each buffer stays below glibc's initial mmap threshold (128 KiB). A larger one is
-# mapped and freed, which raises the threshold for good, in the server and so in every child: their later
-# MiB-sized allocations then came from the heap, which keeps freed memory (consolidation peaks +4-12 MiB).
+# Pages per pagemap read: each buffer stays below glibc's initial mmap threshold (128 KiB), so reading the map
+# cannot raise that threshold (a mapped block's free raises it for good) in the server and so in every child.
+# A precaution: with one read per mapping, the forked consolidation's extra peak was the same.
 PAGEMAP_CHUNK = 8192
 MADV_POPULATE_READ = 22  # Linux 5.14+: map a range's pages as a read of each would
 FRESH_ENV = "BENCHMARK_FRESH_PROCESSES"  # "1": start every process as a fresh interpreter, as torchrun does
