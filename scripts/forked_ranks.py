@@ -135,7 +135,11 @@ SERVER_RESIDENT = resident_file_pages() if os.environ.get(SERVER_ENV) == "1" els
 
 
 def run_script(argv: list[str], env: dict[str, str], log: str) -> None:
-    """In the forked child: become `python argv...` with `env`, writing to `log`."""
+    """In the forked child: become `python argv...` with `env`, writing to `log`.
+
+    Unlike an interpreter's, its exit runs no atexit handlers (multiprocessing ends a child with os._exit): the
+    benchmark's workers end their process groups themselves.
+    """
     os.environ.clear()
     os.environ.update(env)
     descriptor = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
