@@ -1,10 +1,17 @@
 """hf_fsdp2: shard any Hugging Face model with PyTorch FSDP2 by changing `Trainer(...)` to `FSDP2Trainer(...)`.
 
 Read the code in flow order: distributed → skeleton → loading → sharding → model → trainer (FSDP2Mixin) → trl.
+
+The public names below are imported on first use (PEP 562), so a process that needs only part of the package
+(the `hf-fsdp2 consolidate` command) does not import transformers' Trainer, modeling code and peft: importing all
+of them took ~7 s on a 2-core machine, more than `accelerate merge-weights` needs in all. No public name is also the
+name of a submodule, because importing a submodule binds its name on the package.
 """
 
+import importlib
 import logging
 import os
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -15,16 +22,32 @@ if not torch.cuda.is_available():
 
 from transformers.utils import logging as transformers_logging  # noqa: E402
 
-from .callbacks import ConsolidateCallback  # noqa: E402
-from .config import FSDP2Config
-from .consolidate import consolidate
-from .distributed import close_distributed, start_restarted_worker
-from .gathered import gathered
-from .memory_plan import plan
-from .model import prepare_model
-from .skeleton import from_pretrained
-from .trainer import FSDP2Mixin, FSDP2Trainer
+from .distributed import start_restarted_worker  # noqa: E402
 
+if TYPE_CHECKING:
+    from .callbacks import ConsolidateCallback
+    from .config import FSDP2Config
+    from .consolidation import consolidate
+    from .distributed import close_distributed
+    from .gathering import gathered
+    from .memory_plan import plan
+    from .model import prepare_model
+    from .skeleton import from_pretrained
+    from .trainer import FSDP2Mixin, FSDP2Trainer
+
+# Each public name and the submodule that defines it.
+_EXPORTS = {
+    "ConsolidateCallback": "callbacks",
+    "FSDP2Config": "config",
+    "FSDP2Mixin": "trainer",
+    "FSDP2Trainer": "trainer",
+    "close_distributed": "distributed",
+    "consolidate": "consolidation",
+    "from_pretrained": "skeleton",
+    "gathered": "gathering",
+    "plan": "memory_plan",
+    "prepare_model": "model",
+}
 __all__ = [
     "ConsolidateCallback",
     "FSDP2Config",
@@ -38,6 +61,20 @@ __all__ = [
     "prepare_model",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name's submodule the first time the name is used."""
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    globals()[name] = value  # later uses are plain attribute reads
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
 
 # Our loggers sit under transformers' library logger (its handler, its level), so Trainer's
 # `log_level`/`log_level_replica` and `transformers.logging.set_verbosity_*` govern hf_fsdp2's messages exactly

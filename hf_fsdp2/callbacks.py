@@ -6,7 +6,7 @@ from typing import Any
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from .consolidate import save_pretrained_sharded
+from .live_export import save_pretrained_sharded
 
 
 class ConsolidateCallback(TrainerCallback):

@@ -138,7 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError as error:
             print(f"hf-fsdp2 plan: error: {error}", file=sys.stderr)
             return 2
-    from .consolidate import consolidate
+    from .consolidation import consolidate
 
     try:
         path = consolidate(args.checkpoint_dir, args.output_dir, args.max_shard_size, args.dtype, args.overwrite)

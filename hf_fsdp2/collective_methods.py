@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .distributed import warn_rank0
-from .gathered import free_memory, gathered, gathered_bytes
+from .gathering import free_memory, gathered, gathered_bytes
 
 # How long a rank waits for the others at a collective method before it names the problem.
 JOIN_TIMEOUT_S = 60
@@ -80,7 +80,7 @@ def _save_pretrained(
     model: nn.Module, save_directory: str, *args: Any, max_shard_size: str | int = "5GB", **kwargs: Any
 ) -> None:
     """`save_pretrained(dir)` of the sharded model: the folder `trainer.save_model(dir)` writes."""
-    from .consolidate import save_pretrained_sharded
+    from .live_export import save_pretrained_sharded
 
     all_ranks_join("save_pretrained")
     save_pretrained_sharded(model, str(save_directory), max_shard_size=max_shard_size)

@@ -62,6 +62,11 @@ class TensorSpec:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
+def export_dtype(stored: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
+    """Cast floating tensors to the requested dtype; leave integer and bool tensors alone."""
+    return dtype if dtype is not None and stored.is_floating_point else stored
+
+
 def parse_size(size: str | int) -> int:
     """Turn '5GB', '500MB' or a byte count into bytes.
 

@@ -28,7 +28,6 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
-from transformers import PreTrainedModel
 
 from .adapters import base_name, is_adapter_tensor, replay_adapters, replayed_adapter_values
 from .distributed import (
@@ -109,6 +108,14 @@ def plan_safetensors_load(model: nn.Module, checkpoint_shapes: dict[str, torch.S
     return plan
 
 
+def is_pretrained_model(model: nn.Module) -> bool:
+    """isinstance(model, PreTrainedModel), importing transformers' modeling code only when asked: the offline
+    consolidation command imports this module and must start without it (see hf_fsdp2/__init__.py)."""
+    from transformers import PreTrainedModel
+
+    return isinstance(model, PreTrainedModel)
+
+
 def _is_param(model: nn.Module, name: str) -> bool:
     module_name, _, leaf = name.rpartition(".")
     return leaf in model.get_submodule(module_name)._parameters
@@ -137,7 +144,7 @@ def init_missing(model: nn.Module, missing: list[str]) -> dict[str, torch.Tensor
     buffers = _non_persistent_buffers(model)
     if not missing and not buffers:
         return {}
-    if not isinstance(model, PreTrainedModel):
+    if not is_pretrained_model(model):
         raise ValueError(
             f"{type(model).__name__} is not a PreTrainedModel, so nothing can initialize {(missing + buffers)[0]}; "
             "pass a model object with real weights instead."
@@ -393,7 +400,7 @@ def safetensors_shapes(path: str) -> dict[str, torch.Size] | None:
 def needs_conversion(model: nn.Module) -> str | None:
     """Name the reason the checkpoint's keys need transformers' own conversion, or None."""
     model = unwrap_peft(model)
-    if not isinstance(model, PreTrainedModel):
+    if not is_pretrained_model(model):
         return None
     from transformers.conversion_mapping import get_model_conversion_mapping
 

@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSeq2SeqLM
 
 SOURCE_ATTR = "_hf_fsdp2_source"
 LOADED_ATTR = "_hf_fsdp2_loaded"  # {name under the skeleton: value} that load_state_dict put into its meta tensors
@@ -120,11 +119,17 @@ def four_bit_quantization(kwargs: dict[str, Any]) -> str | None:
 
 def default_auto_class(path: str, trust_remote_code: bool = False) -> Any:
     """The Auto class a path means when none is named: see `auto_class_for`."""
+    from transformers import AutoConfig
+
     return auto_class_for(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code))
 
 
 def auto_class_for(config: Any) -> Any:
     """Causal LM, else image-text-to-text, else sequence-to-sequence LM: the first Auto class that maps `config`."""
+    # NOTE: transformers' modeling classes are imported where used, not with this module: the offline
+    # consolidation command imports this module and must start without them (see hf_fsdp2/__init__.py).
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSeq2SeqLM
+
     for auto_class in (AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSeq2SeqLM):
         if type(config) in auto_class._model_mapping:
             return auto_class
@@ -133,6 +138,8 @@ def auto_class_for(config: Any) -> Any:
 
 def build_skeleton(path: str, auto_class: Any, kwargs: dict[str, Any]) -> nn.Module:
     """The meta-device model `from_pretrained(path, auto_class, **kwargs)` describes (no source attached)."""
+    from transformers import AutoConfig
+
     model_kwargs = {k: kwargs[k] for k in _MODEL_KWARGS if k in kwargs}
     config_kwargs = {k: v for k, v in kwargs.items() if k not in _MODEL_KWARGS or k == "trust_remote_code"}
     config = AutoConfig.from_pretrained(path, **config_kwargs)

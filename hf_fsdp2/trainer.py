@@ -83,10 +83,10 @@ from .checkpoint import (
 )
 from .chunked_loss import chunked_loss, log_unchunked, why_not_chunked
 from .config import FSDP2Config
-from .consolidate import save_pretrained_sharded, write_model_files
 from .distributed import init_distributed, is_rank0, log_rank0, warn_rank0
 from .facts import describe, facts_of, forward_source, unwrap_peft
 from .from_accelerate import resolve_config
+from .live_export import save_pretrained_sharded, write_model_files
 from .memory_plan import log_memory_plan
 from .model import clip_grad_norm, prepare_model
 from .preemption import Preempted, PreemptionCallback, PreemptionWatcher

@@ -52,6 +52,14 @@ ADAPTER_SYSTEMS = ("hf_fsdp2_lora", "hf_fsdp2_qlora")
 # that cannot resume at all. Only sharded checkpoints need consolidating.
 NO_RESUME = {"hf_fsdp2_async", "transformers_fsdp2"}
 CONSOLIDATES = ("hf_fsdp2", "accelerate_fsdp2")
+# The command each system's users type to consolidate, timed from its start to its exit (imports included).
+CONSOLIDATION_COMMANDS = {
+    "hf_fsdp2": lambda checkpoint, output: ["-m", "hf_fsdp2.cli", "consolidate", checkpoint, output],
+    "accelerate_fsdp2": lambda checkpoint, output: [
+        *("-m", "accelerate.commands.accelerate_cli", "merge-weights"),
+        *(os.path.join(checkpoint, "pytorch_model_fsdp_0"), output),
+    ],
+}
 NOTES = {
     "hf_fsdp2": "FSDP2Trainer(model path, FSDP2Config(consolidate_on_train_end=False)): every rank reads its own "
     "slices of the safetensors; consolidated with hf_fsdp2.consolidate.",
@@ -239,7 +247,25 @@ def run_consolidation(args: argparse.Namespace, system: str, checkpoint: str, ta
         "--result",
         result,
     ]
-    return _run(command, result)
+    measured = _run(command, result)
+    measured["command_s"] = time_consolidation_command(system, checkpoint, output + "-command")
+    return measured
+
+
+def time_consolidation_command(system: str, checkpoint: str, output: str) -> float:
+    """Seconds from starting the system's consolidation command to its exit, what its user waits for: the
+    in-process time above leaves out the interpreter's start and the tool's imports."""
+    shutil.rmtree(output, ignore_errors=True)
+    os.sync()
+    command = [sys.executable, *CONSOLIDATION_COMMANDS[system](checkpoint, output)]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    start = time.perf_counter()
+    proc = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seconds = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise RuntimeError(f"benchmark run failed: {' '.join(command)}\n{proc.stdout[-6000:]}")
+    shutil.rmtree(output, ignore_errors=True)
+    return seconds
 
 
 def warm_up(args: argparse.Namespace, system: str, model_path: str) -> None:

@@ -147,7 +147,7 @@ def worker(args: argparse.Namespace) -> None:
     from transformers import AutoModelForCausalLM
 
     import hf_fsdp2
-    from hf_fsdp2.gathered import gathered_bytes
+    from hf_fsdp2.gathering import gathered_bytes
 
     if args.worker.startswith("grpo"):
         return grpo_worker(args)

@@ -24,7 +24,7 @@ from transformers import (
 )
 
 from hf_fsdp2 import FSDP2Config, FSDP2Trainer, close_distributed, from_pretrained
-from hf_fsdp2.gathered import gathered_bytes
+from hf_fsdp2.gathering import gathered_bytes
 from tests.tiny_models import tiny_tokenizer
 from tests.workers.scenarios import PARITY_ADAM_EPSILON, main_with_batches
 

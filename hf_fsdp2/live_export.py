@@ -1,0 +1,109 @@
+"""Hugging Face folders from the live sharded model (`save_pretrained_sharded`, used by `FSDP2Trainer.save_model`,
+the sharded model's `save_pretrained` and the end-of-training callback): gathered one tensor at a time, so rank 0's
+peak is about one full tensor, not the model. Offline, from a checkpoint: `consolidation`.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .adapter_checkpoint import full_copy, merged_state, save_adapter
+from .checkpoint import model_state_dict
+from .config import resolve_dtype
+from .distributed import is_rank0
+from .facts import facts_of
+from .hf_export import TensorSpec, export_dtype, prepare_output, publish, write_weights
+from .sharding import original_class, reshard_all
+
+
+def write_model_files(
+    model: nn.Module | None, directory: str, processing_class: Any = None, dtype: torch.dtype | None = None
+) -> None:
+    """Write config, generation config and tokenizer files of `model` (rank 0 only; None: tokenizer only).
+
+    config.json is the one `model.save_pretrained` would write unsharded: its own class in `architectures`
+    and the dtype of the written weights (`dtype`, else the parameters').
+    """
+    config = getattr(model, "config", None)
+    if config is not None:
+        config = copy.deepcopy(config)
+        config.architectures = [original_class(model).__name__]
+        weights_dtype = dtype if dtype is not None else getattr(model, "dtype", None)
+        if isinstance(weights_dtype, torch.dtype):
+            config.dtype = str(weights_dtype).removeprefix("torch.")
+        config.save_pretrained(directory)
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is not None and getattr(model, "can_generate", lambda: False)():
+        generation_config.save_pretrained(directory)
+    if processing_class is not None and hasattr(processing_class, "save_pretrained"):
+        processing_class.save_pretrained(directory)
+
+
+def save_pretrained_sharded(
+    model: nn.Module,
+    output_dir: str,
+    processing_class: Any = None,
+    dtype: str | None = None,
+    max_shard_size: str | int = "5GB",
+    merge_adapters: bool = False,
+) -> None:
+    """Write the live sharded model as a Hugging Face folder, gathering one tensor at a time.
+
+    A PEFT model is written as its adapter folder (`PeftModel.from_pretrained` loads it), or with
+    `merge_adapters` as the full model with the active LoRA adapter merged into copies of the base weights.
+    NOTE: collective; every rank must call it. Only rank 0 holds a full tensor, one at a time, and writes.
+
+    Raises:
+        ValueError: when `merge_adapters` is set without PEFT adapters, or the active adapter cannot be merged.
+    """
+    reshard_all(model)
+    peft = facts_of(model).is_peft
+    if merge_adapters and not peft:
+        raise ValueError("merge_adapters_on_save=True, but the model has no PEFT adapters to merge; turn it off.")
+    staging = prepare_output(output_dir, overwrite=True) if is_rank0() else ""
+    if peft and not merge_adapters:
+        save_adapter(model, staging)
+        if is_rank0():
+            write_model_files(None, staging, processing_class)
+    else:
+        written = _write_weights_gathered(model, staging, dtype, max_shard_size)
+        if is_rank0():
+            write_model_files(model.get_base_model() if peft else model, staging, processing_class, written)
+    if is_rank0():
+        publish(staging, output_dir)
+    dist.barrier()
+
+
+def _write_weights_gathered(
+    model: nn.Module, staging: str, dtype: str | None, max_shard_size: str | int
+) -> torch.dtype | None:
+    """Gather each tensor (merging LoRA into copies for a PEFT model) and let rank 0 write safetensors files.
+
+    Without `dtype`, float32 masters of parameters loaded in a lower precision go back to it. Returns the one
+    floating dtype written (None when several are).
+    """
+    target = resolve_dtype(dtype)
+    state = model_state_dict(model)
+    upcast = facts_of(model).upcast_from
+    merge = None
+    if facts_of(model).is_peft:
+        state, merge = merged_state(model, state)
+    specs = [
+        TensorSpec(name, tuple(t.shape), export_dtype(t.dtype, target or upcast.get(name))) for name, t in state.items()
+    ]
+
+    def fetch(spec: TensorSpec) -> torch.Tensor | None:
+        tensor = state[spec.name]
+        full = full_copy(tensor)
+        if merge is not None:
+            full = merge(spec.name, full)
+        return full if is_rank0() else None
+
+    write_weights(staging, specs, fetch, max_shard_size, write=is_rank0())
+    floating = {spec.dtype for spec in specs if spec.dtype.is_floating_point}
+    return floating.pop() if len(floating) == 1 else None

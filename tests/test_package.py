@@ -1,0 +1,43 @@
+"""The package's public names, imported on first use: each is the object the README documents, whatever was
+imported before it."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pkgutil
+import subprocess
+import sys
+import types
+
+import hf_fsdp2
+
+
+def test_every_public_name_is_its_object_even_after_every_submodule_is_imported():
+    """Importing a submodule binds its name on the package: a submodule named like a public function (the old
+    `consolidate.py` beside `hf_fsdp2.consolidate`) would hand users the module instead of the function."""
+    for info in pkgutil.iter_modules(hf_fsdp2.__path__, "hf_fsdp2."):
+        importlib.import_module(info.name)
+    assert sorted(hf_fsdp2.__all__) == sorted(hf_fsdp2._EXPORTS)
+    for name in hf_fsdp2.__all__:
+        value = getattr(hf_fsdp2, name)
+        assert not isinstance(value, types.ModuleType), name
+        assert inspect.isclass(value) or inspect.isfunction(value), name
+        assert value.__name__ == name, name
+        assert name in dir(hf_fsdp2)
+
+
+def test_star_import_and_unknown_names_in_a_fresh_process():
+    """`from hf_fsdp2 import *` gives every public name; a misspelt one fails as for any module."""
+    code = (
+        "from hf_fsdp2 import *\n"
+        "import hf_fsdp2\n"
+        "assert FSDP2Trainer.__name__ == 'FSDP2Trainer' and callable(consolidate) and callable(gathered)\n"
+        "try:\n"
+        "    hf_fsdp2.FSDP2Trainr\n"
+        "except AttributeError as error:\n"
+        "    print(error)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "module 'hf_fsdp2' has no attribute 'FSDP2Trainr'" in proc.stdout
