@@ -62,11 +62,13 @@ CONSOLIDATION_COMMANDS = {
 }
 NOTES = {
     "hf_fsdp2": "FSDP2Trainer(model path, FSDP2Config(consolidate_on_train_end=False)): every rank reads its own "
-    "slices of the safetensors; consolidated with hf_fsdp2.consolidate.",
+    "slices of the safetensors; consolidated with hf_fsdp2.consolidate, and timed as the command "
+    "`python -m hf_fsdp2.cli consolidate` from start to exit.",
     "hf_fsdp2_async": "same as hf_fsdp2 with FSDP2Config(async_save=True); resume and consolidation not repeated.",
     "accelerate_fsdp2": "Trainer(fsdp=True, fsdp_config={version 2, SHARDED_STATE_DICT, cpu_ram_efficient_loading, "
     "LlamaDecoderLayer}) with ACCELERATE_USE_FSDP=true (what `accelerate launch --use_fsdp` exports); "
-    "consolidated with accelerate's merge_fsdp_weights.",
+    "consolidated with accelerate's merge_fsdp_weights, and timed as the command `accelerate merge-weights` "
+    "(`python -m accelerate.commands.accelerate_cli`) from start to exit.",
     "transformers_fsdp2": "from_pretrained(distributed_config=DistributedConfig(fsdp_size=world)) + Trainer, which "
     "refuses optimizer checkpoints for such models: saves the gathered model only (save_only_model=True), "
     "so it has no resume and its checkpoints need no consolidation.",
