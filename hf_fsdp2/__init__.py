@@ -73,6 +73,7 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
+    """The public names too, before their first use (`dir()`, tab completion)."""
     return sorted(set(globals()) | set(_EXPORTS))
 
 
