@@ -10,11 +10,13 @@ named checkpoint-N is always complete. This module knows nothing about the Train
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import shutil
+import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -35,7 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from .direct_io import DirectStream
 from .distcp_reader import SafeFileSystemReader
-from .distributed import is_rank0, raise_if_any_rank
+from .distributed import get_device, is_rank0, raise_if_any_rank
 from .facts import facts_of
 from .full_state_checkpoint import (
     has_full_model_state,
@@ -224,20 +226,21 @@ def _fsync_dir(folder: str) -> None:
         os.close(fd)
 
 
-class AsyncSaver:
-    """What asynchronous saves keep between checkpoints: a gloo group and a host-memory stager per part.
+class PartSavers:
+    """What saves keep between checkpoints: a gloo group per part (model, optimizer) and, for asynchronous
+    saves, a host-memory stager per part.
 
-    NOTE: each `dcp.async_save` runs its collectives in its own thread; sharing a group between the model
-    and optimizer saves (or with training) lets them interleave differently on each rank and deadlock.
-    The stagers cache their host buffers, so after the first save staging is a copy, not an allocation.
+    NOTE: each part's DCP save runs its collectives in its own thread (the model's beside the optimizer's in a sync
+    save, both in the background in an async one); sharing a group between them (or with training) lets them
+    interleave differently on each rank and deadlock. The stagers cache their host buffers, so after the first
+    save staging is a copy, not an allocation.
     """
 
-    def __init__(self) -> None:
-        pinned = torch.cuda.is_available()
+    def __init__(self, async_save: bool = False) -> None:
         self.groups = {part: dist.new_group(backend="gloo") for part in (MODEL_DIR, OPTIMIZER_DIR)}
-        self.stagers = {
-            part: DefaultStager(StagingOptions(pinned, False, False, False)) for part in (MODEL_DIR, OPTIMIZER_DIR)
-        }
+        pinned = torch.cuda.is_available()
+        options = StagingOptions(pinned, False, False, False)
+        self.stagers = {part: DefaultStager(options) for part in (MODEL_DIR, OPTIMIZER_DIR)} if async_save else {}
 
     def close(self) -> None:
         """Free the cached host buffers."""
@@ -249,7 +252,7 @@ def save_sharded(
     directory: str,
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None,
-    saver: AsyncSaver | None = None,
+    savers: PartSavers,
     include_model: bool = True,
     direct: bool = False,
 ) -> list[Any]:
@@ -258,28 +261,66 @@ def save_sharded(
     `include_model=False` writes only the optimizer (adapter checkpoints keep the weights in peft's files);
     `direct=True` writes the files with O_DIRECT (FSDP2Config.checkpoint_writes="direct").
 
-    With an `AsyncSaver` the state is copied to host memory now and written in the background; the
-    returned futures finish when it is on disk. Otherwise it returns [] once written.
+    With stagers in `savers` (async) the state is copied to host memory now and written in the background; the
+    returned futures finish when it is on disk. Otherwise the parts are written at once, each in its own thread,
+    and it returns [] once both are on disk.
     """
     # NOTE: a forward under no_grad (evaluate) leaves the units that skip resharding after forward (the root, the
     # last block) gathered, their unsharded tensors registered on the modules; the optimizer's state is keyed by
     # the sharded ones, which torch then cannot name (KeyError), unless a model state dict put them back first.
     reshard_all(model)
-    pending = []
     parts = [(MODEL_DIR, {MODEL_KEY: model_state_dict(model)})] if include_model else []
     if optimizer is not None:
         parts.append((OPTIMIZER_DIR, {OPTIMIZER_KEY: get_optimizer_state_dict(model, optimizer)}))
-    for folder, state in parts:
-        writer = storage_writer(os.path.join(directory, folder), direct)
-        if saver is not None:
-            pending.append(
-                dcp.async_save(
-                    state, storage_writer=writer, process_group=saver.groups[folder], async_stager=saver.stagers[folder]
-                )
+    writers = {folder: storage_writer(os.path.join(directory, folder), direct) for folder, _ in parts}
+    if savers.stagers:
+        return [
+            dcp.async_save(
+                state,
+                storage_writer=writers[folder],
+                process_group=savers.groups[folder],
+                async_stager=savers.stagers[folder],
             )
-        else:
-            dcp.save(state, storage_writer=writer)
-    return pending
+            for folder, state in parts
+        ]
+    # NOTE: one part's writes and fsyncs overlap the other's (100M Llama, 2 CPU ranks, 6 interleaved repeats: both
+    # parts 1.37 s one after the other, 1.21 s at once, medians; FileSystemWriter(thread_count=2) alone: 1.36 s).
+    run_at_once(
+        [
+            functools.partial(dcp.save, state, storage_writer=writers[folder], process_group=savers.groups[folder])
+            for folder, state in parts
+        ]
+    )
+    return []
+
+
+def run_at_once(calls: list[Callable[[], Any]]) -> None:
+    """Run each call in its own thread (the last in this one) and wait for all; re-raise the first failure.
+
+    The threads use this thread's accelerator, whose "current device" is per thread.
+    """
+    device = get_device()
+    errors: list[BaseException] = []
+
+    def run(call: Callable[[], Any]) -> None:
+        try:
+            if device.type != "cpu":
+                torch.get_device_module(device.type).set_device(device)
+            call()
+        except BaseException as error:  # NOTE: re-raised in the caller's thread below
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(call,)) for call in calls[:-1]]
+    for thread in threads:
+        thread.start()
+    try:
+        if calls:
+            calls[-1]()
+    finally:
+        for thread in threads:
+            thread.join()
+    if errors:
+        raise errors[0]
 
 
 def resume_model(model: nn.Module, checkpoint: str) -> None:

@@ -74,7 +74,7 @@ from .adapters import is_adapter_tensor
 from .branches import guard_optimizer
 from .callbacks import ConsolidateCallback
 from .checkpoint import (
-    AsyncSaver,
+    PartSavers,
     begin_checkpoint,
     commit_checkpoint,
     resume_model,
@@ -122,7 +122,7 @@ class FSDP2Mixin:
         self._original_names: dict[int, str] = {}
         self._sequence_parallel: SequenceParallel | None = None
         self._memory_plan_logged = False
-        self._async_saver: AsyncSaver | None = None
+        self._savers: PartSavers | None = None
         self._pending_save: tuple[list[Any], str, str, str] | None = None
         super().__init__(*bound.args, **bound.kwargs)
         self.is_distributed_loading_by_transformers = True
@@ -334,10 +334,11 @@ class FSDP2Mixin:
         self._wait_for_pending_save()
         staging = begin_checkpoint(final)
         optimizer = None if self.args.save_only_model else _unwrap_optimizer(self.optimizer)
-        if self.fsdp2_config.async_save and self._async_saver is None:
-            self._async_saver = AsyncSaver()  # NOTE: creates process groups: a collective, as is every save.
+        if self._savers is None:
+            # NOTE: creates process groups: a collective, as is every save.
+            self._savers = PartSavers(async_save=self.fsdp2_config.async_save)
         direct = self.fsdp2_config.checkpoint_writes == "direct"
-        pending = save_sharded(staging, self.model, optimizer, self._async_saver, not self._peft, direct)
+        pending = save_sharded(staging, self.model, optimizer, self._savers, not self._peft, direct)
         if self._peft:
             save_adapter(self.model, staging)  # small and gathered: written before training goes on
         self._save_checkpoint_files(staging)
@@ -349,9 +350,9 @@ class FSDP2Mixin:
 
     def _stop_preempted(self, checkpoint: str) -> None:
         """The preemption checkpoint is on disk: end training here, skipping the end-of-training export."""
-        if self._async_saver is not None:
-            self._async_saver.close()
-            self._async_saver = None
+        if self._savers is not None:
+            self._savers.close()
+            self._savers = None
         signum = self._preemption.stop_signal
         warn_rank0(
             "Preempted: %s is complete. Relaunch the same command with resume_from_checkpoint='auto' to go on.",
@@ -434,9 +435,9 @@ class FSDP2Mixin:
     def _finalize_training(self, trial: Any, num_train_samples: int, start_time: float) -> Any:
         """The end of training waits for an asynchronous save to be complete on disk."""
         self._wait_for_pending_save()
-        if self._async_saver is not None:
-            self._async_saver.close()
-            self._async_saver = None
+        if self._savers is not None:
+            self._savers.close()
+            self._savers = None
         return super()._finalize_training(trial, num_train_samples, start_time)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:

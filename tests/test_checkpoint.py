@@ -318,3 +318,27 @@ def test_a_full_disk_fails_the_dcp_save_loudly(tmp_path, monkeypatch):
         dcp.save({"a": torch.randn(100)}, storage_writer=writer, no_dist=True)
     assert len(os.listdir("/proc/self/fd")) == open_before
     assert not os.path.exists(tmp_path / "x" / ".metadata")  # no folder that looks complete
+
+
+def test_the_parts_of_a_sync_save_are_written_at_once_and_a_failure_in_either_is_raised():
+    """A sync save writes the model and the optimizer each in its own thread (their writes and fsyncs overlap);
+    a part that fails is raised in the trainer's thread once the other part is done, DCP's BaseException too."""
+    import threading
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from hf_fsdp2.checkpoint import run_at_once
+
+    both_started = threading.Barrier(2, timeout=10)  # broken (an error) if the parts ran one after the other
+    done = []
+    run_at_once([lambda part=part: (both_started.wait(), done.append(part)) for part in ("model", "optim")])
+    assert sorted(done) == ["model", "optim"]
+
+    disk_full = OSError(28, "No space left on device")
+
+    def full_disk() -> None:
+        raise CheckpointException("save failed", {0: disk_full})
+
+    with pytest.raises(CheckpointException) as failed:
+        run_at_once([full_disk, lambda: done.append("optim again")])
+    assert failed.value.failures == {0: disk_full} and done[-1] == "optim again"
