@@ -124,13 +124,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _run(command: list[str], result: str) -> dict:
-    """Run one measurement process, a fresh interpreter (see forked_ranks); fail loudly with its output if it
-    fails."""
+def _run_fresh(command: list[str]) -> None:
+    """Run `command` as a fresh interpreter (see forked_ranks); fail loudly with its output if it fails."""
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     proc = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"benchmark run failed: {' '.join(command)}\n{proc.stdout[-6000:]}")
+
+
+def _run(command: list[str], result: str) -> dict:
+    """Run one measurement process, a fresh interpreter; return what it wrote to `result`."""
+    _run_fresh(command)
     with open(result) as f:
         return json.load(f)
 
@@ -259,13 +263,9 @@ def time_consolidation_command(system: str, checkpoint: str, output: str) -> flo
     in-process time above leaves out the interpreter's start and the tool's imports."""
     shutil.rmtree(output, ignore_errors=True)
     os.sync()
-    command = [sys.executable, *CONSOLIDATION_COMMANDS[system](checkpoint, output)]
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     start = time.perf_counter()
-    proc = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    _run_fresh([sys.executable, *CONSOLIDATION_COMMANDS[system](checkpoint, output)])
     seconds = time.perf_counter() - start
-    if proc.returncode != 0:
-        raise RuntimeError(f"benchmark run failed: {' '.join(command)}\n{proc.stdout[-6000:]}")
     shutil.rmtree(output, ignore_errors=True)
     return seconds
 
