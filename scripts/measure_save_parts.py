@@ -99,8 +99,12 @@ def worker(args: argparse.Namespace) -> None:
     def at_once(repeat: int) -> None:
         run_at_once(
             [
-                functools.partial(dcp.save, state, storage_writer=storage_writer(folder("at_once", part, repeat)),
-                                  process_group=groups[part])  # fmt: skip
+                functools.partial(
+                    dcp.save,
+                    state,
+                    storage_writer=storage_writer(folder("at_once", part, repeat)),
+                    process_group=groups[part],
+                )  # fmt: skip
                 for part, state in parts.items()
             ]
         )
