@@ -48,7 +48,9 @@ def run(
     and fresh interpreters; otherwise the ranks come from the warm fork server.
     """
     path = os.path.join(WORKERS, script)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "TOKENIZERS_PARALLELISM": "false"}
+    # The checkout first; a PYTHONPATH already set stays behind it (packages installed with --target, on a GPU host).
+    path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false"}
     if torchrun or launcher_args:
         proc = _run_torchrun(path, nproc, args, launcher_args, env, timeout)
     else:
