@@ -53,6 +53,14 @@ def gathered(model: nn.Module) -> Iterator[nn.Module]:
 _ACTIVE = "_hf_fsdp2_gathered"
 
 
+def param_groups(state: Any) -> list[Any]:
+    """A unit's FSDP parameter groups: a list from torch 2.13, one group or None before (the GPU image's 2.11)."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    return [group for group in [getattr(state, "_fsdp_param_group", None)] if group is not None]
+
+
 def gathered_bytes(model: nn.Module) -> int:
     """Bytes the gathered model adds on this rank: every sharded parameter whole, in its unit's compute dtype.
 
@@ -62,7 +70,7 @@ def gathered_bytes(model: nn.Module) -> int:
     for unit in model.modules():
         if not isinstance(unit, FSDPModule):
             continue
-        for group in unit._get_fsdp_state()._fsdp_param_groups:
+        for group in param_groups(unit._get_fsdp_state()):
             for fsdp_param in group.fsdp_params:
                 shard = fsdp_param.sharded_param
                 local = getattr(shard, "_local_tensor", shard)  # a DTensor's numel is the whole tensor's
@@ -89,11 +97,11 @@ def free_memory() -> int:
 def _reshard_setting(unit: FSDPModule) -> tuple[Any, list[Any]]:
     """What `set_reshard_after_forward` overwrites (torch 2.13's fields, restored as they were)."""
     state = unit._get_fsdp_state()
-    return state._auto_reshard_after_forward, [g.post_forward_mesh_info for g in state._fsdp_param_groups]
+    return state._auto_reshard_after_forward, [g.post_forward_mesh_info for g in param_groups(state)]
 
 
 def _restore_reshard_setting(unit: FSDPModule, setting: tuple[Any, list[Any]]) -> None:
     state = unit._get_fsdp_state()
     state._auto_reshard_after_forward, infos = setting
-    for group, info in zip(state._fsdp_param_groups, infos, strict=True):
+    for group, info in zip(param_groups(state), infos, strict=True):
         group.post_forward_mesh_info = info

@@ -117,6 +117,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--wheels", default=None, help="install the project's requirements from this folder first")
     parser.add_argument("--fetch-wheels", default=None, help="download the wheels --wheels needs into this folder")
     parser.add_argument("--from-json", default=None, help="print the table of a results file, run nothing")
+    parser.add_argument(
+        "--keep", default=None, help="a results file whose finished parts are kept (and not run again): a second call"
+    )
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # a file of runs to do
     args = parser.parse_args(argv)
     unknown = set(args.parts.split(",")) - set(PARTS)
@@ -150,8 +153,15 @@ def run_check(args: argparse.Namespace) -> dict:
     json_path = args.json or default_json(args, results["environment"])
     write(results, json_path, started)
     wanted = args.parts.split(",")
+    if args.keep:  # a second call: keep what the first finished, record where each part came from
+        with open(args.keep) as f:
+            kept = json.load(f)
+        for part, outcome in kept["parts"].items():
+            if part in PARTS and outcome.get("status") == "ok":
+                results["parts"][part] = {**outcome, "kept_from": kept.get("environment", {}).get("date", "?")}
+                wanted = [p for p in wanted if p != part]
     runs = plan_runs(args.dry_run)
-    for part in [p for p in PARTS if p in wanted]:
+    for part in [p for p in PARTS if p in wanted and p not in results["parts"]]:
         left = args.budget_s - (time.perf_counter() - started) - (0 if part == "planner" else PLANNER_RESERVE_S)
         if not args.dry_run and left < ESTIMATE_S[part]:
             results["parts"][part] = {

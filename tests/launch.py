@@ -49,8 +49,8 @@ def run(
     """
     path = os.path.join(WORKERS, script)
     # The checkout first; a PYTHONPATH already set stays behind it (packages installed with --target, on a GPU host).
-    path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false"}
+    pythonpath = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath, "TOKENIZERS_PARALLELISM": "false"}
     if torchrun or launcher_args:
         proc = _run_torchrun(path, nproc, args, launcher_args, env, timeout)
     else:
