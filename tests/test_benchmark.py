@@ -169,7 +169,7 @@ def test_summary_ratios_and_targets_on_fixed_numbers():
 
 
 def test_a_failed_rank_stops_the_others_and_its_output_is_raised(tmp_path):
-    from benchmark import _run_ranks
+    from benchmark_runs import _run_ranks
 
     script = tmp_path / "rank.py"
     # rank 1 fails at once; rank 0 would wait 60 s (as in a collective its peer never joins)
@@ -183,7 +183,7 @@ def test_a_failed_rank_stops_the_others_and_its_output_is_raised(tmp_path):
 
 
 def test_ranks_start_the_clock_together_after_a_slow_import(tmp_path):
-    from benchmark import _run_ranks
+    from benchmark_runs import _run_ranks
 
     script = tmp_path / "rank.py"
     # rank 1 "imports" 1.5 s longer; each rank then records when it passed start_together()
