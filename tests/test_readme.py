@@ -130,6 +130,14 @@ def test_readme_is_a_front_door():
         assert len(f.readlines()) <= 250
 
 
+def test_scripts_readme_lists_every_script():
+    """scripts/README.md gives each script one line."""
+    with open(os.path.join(ROOT, "scripts", "README.md")) as f:
+        listed = f.read()
+    scripts = [n for n in os.listdir(os.path.join(ROOT, "scripts")) if n.endswith((".py", ".sh"))]
+    assert not [n for n in scripts if f"| `{n}` |" not in listed]
+
+
 def test_cli_reference_page_is_what_the_parser_prints():
     """docs/reference/cli.md is generated: regenerate with `python scripts/cli_reference.py`."""
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
