@@ -47,15 +47,14 @@ def find_branches(model: nn.Module) -> tuple[list[str], str | None]:
     return [], None
 
 
-def branch_names(model: nn.Module, named: Iterable[str] | None) -> list[str]:
-    """The branches found by structure plus those the user named (dotted module names), checked to exist.
+def branch_names(model: nn.Module, found: Iterable[str], named: Iterable[str] | None) -> list[str]:
+    """The branches found by structure (`ModelFacts.branches[0]`, from `find_branches`) plus those the user named
+    (dotted module names), checked to exist.
 
     Raises:
         ValueError: when a named module does not exist.
     """
-    from .facts import facts_of
-
-    names = list(facts_of(model).branches[0])
+    names = list(found)
     modules = dict(model.named_modules())
     for name in named or []:
         matches = [m for m in modules if m == name or m.endswith("." + name)]

@@ -87,7 +87,7 @@ def prepare_model(
 
     model = load_pretrained(model, shard, offload=config.cpu_offload)
     reduce_scalar_gradients(model)
-    attach_branch_guard(model, branch_names(model, config.branch_modules), facts.branches[1])
+    attach_branch_guard(model, branch_names(model, facts.branches[0], config.branch_modules), facts.branches[1])
     attach_collective_methods(model, gather_for_generate=config.gather_for_generate)
     setattr(model, SHARDING_ATTR, wanted)
     log_rank0(

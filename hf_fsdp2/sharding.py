@@ -81,7 +81,7 @@ def select_units(model: nn.Module, config: FSDP2Config) -> list[nn.Module]:
         ValueError: when the wrap policy is unknown, named block classes match nothing, or a unit splits a tie.
     """
     units = _policy_units(model, config)
-    branches = branch_names(model, config.branch_modules)
+    branches = branch_names(model, facts_of(model).branches[0], config.branch_modules)
     if not branches:
         return units
     names = {id(m): n for n, m in model.named_modules()}

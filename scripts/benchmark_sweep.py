@@ -45,6 +45,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchmark_report import MIB, emit_markdown  # noqa: E402
+from benchmark_runs import CONSOLIDATES, NO_RESUME, read_through, run_consolidation, run_training, warm_up  # noqa: E402
 from measure_load_memory import build_model  # noqa: E402
 
 # name: (layers, hidden); intermediate 8/3 hidden, one head per 64 channels (measure_load_memory.build_model).
@@ -216,15 +217,13 @@ def plan_size(name: str, systems: list[str], nproc: int) -> tuple[str, list[str]
 
 def run_size(name: str, args: argparse.Namespace) -> dict:
     """Every system at one size: load, SCHEDULE's steps and saves, resume, consolidation; after an uncounted
-    warm-up run (benchmark.warm_up).
+    warm-up run (benchmark_runs.warm_up).
 
     NOTE: the warm-up is at every size, not only the first: the first system after a size's model was written and
     its rates measured (several GiB written and fsync'd) ran slower in every phase. Measured, hf_fsdp2 first at
     400M: load 1.25 s (native 0.65 s), resume 1.73 s (0.73 s in the sweep before), consolidation 3.24 s (0.95 s),
     first step 18.0 s against its steady 15.5 s (19.4 against 12.2 in the sweep before that).
     """
-    from benchmark import CONSOLIDATES, NO_RESUME, read_through, run_consolidation, run_training, warm_up
-
     layers, hidden = shape(name)
     workdir = os.path.join(args.workdir, name)
     os.makedirs(workdir, exist_ok=True)

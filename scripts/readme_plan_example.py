@@ -1,7 +1,7 @@
-"""Regenerate the README's `hf-fsdp2 plan` example from the planner itself, or check that it is current.
+"""Regenerate the docs' `hf-fsdp2 plan` example (docs/plan.md) from the planner itself, or check that it is current.
 
-    python scripts/readme_plan_example.py            # rewrite the block in README.md
-    python scripts/readme_plan_example.py --check    # exit 1 when the README's block is not what the planner prints
+    python scripts/readme_plan_example.py            # rewrite the block in docs/plan.md
+    python scripts/readme_plan_example.py --check    # exit 1 when the page's block is not what the planner prints
 
 The block's first line is the command (`$ hf-fsdp2 plan llama-medium ...`); `llama-medium` is the ~100M Llama
 that scripts/validate_plan.py measures as "medium" (12 layers of 768, vocabulary 16000). Only its config.json
@@ -55,7 +55,7 @@ def planner_output(arguments: list[str]) -> str:
 
 
 def current_block(readme: str) -> tuple[re.Match, str]:
-    """The README's example block and what the planner prints for its command today."""
+    """The page's example block and what the planner prints for its command today."""
     text = open(readme).read()
     match = BLOCK.search(text)
     if match is None:
@@ -65,7 +65,7 @@ def current_block(readme: str) -> tuple[re.Match, str]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("readme", nargs="?", default=os.path.join(ROOT, "README.md"))
+    parser.add_argument("readme", nargs="?", default=os.path.join(ROOT, "docs", "plan.md"))
     parser.add_argument("--check", action="store_true", help="compare instead of rewriting")
     args = parser.parse_args()
     match, printed = current_block(args.readme)

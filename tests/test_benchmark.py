@@ -73,7 +73,7 @@ def test_quick_benchmark_runs_every_system_and_they_train_the_same(tmp_path):
         assert runs[system][0]["ranks"][0]["sharded_fraction"] == 1.0, system
     assert runs["ddp"][0]["ranks"][0]["sharded_fraction"] == 0.0
     # Our shards own their bytes; transformers' native loading leaves its weights views of the checkpoint file
-    # (the README's account of its load time rests on this: if it fails, that account is out of date).
+    # (the performance page's account of its load time rests on this: if it fails, that account is out of date).
     views = {s: summary["systems"][s]["file_view_pct"]["median"] for s in ("hf_fsdp2", "transformers_fsdp2")}
     assert views["hf_fsdp2"] == 0 and views["transformers_fsdp2"] > 50, views
     # On a machine without accelerators the harness must have forced Accelerate's FSDP2 path, and say so.
@@ -169,7 +169,7 @@ def test_summary_ratios_and_targets_on_fixed_numbers():
 
 
 def test_a_failed_rank_stops_the_others_and_its_output_is_raised(tmp_path):
-    from benchmark import _run_ranks
+    from benchmark_runs import _run_ranks
 
     script = tmp_path / "rank.py"
     # rank 1 fails at once; rank 0 would wait 60 s (as in a collective its peer never joins)
@@ -183,7 +183,7 @@ def test_a_failed_rank_stops_the_others_and_its_output_is_raised(tmp_path):
 
 
 def test_ranks_start_the_clock_together_after_a_slow_import(tmp_path):
-    from benchmark import _run_ranks
+    from benchmark_runs import _run_ranks
 
     script = tmp_path / "rank.py"
     # rank 1 "imports" 1.5 s longer; each rank then records when it passed start_together()
@@ -226,30 +226,34 @@ def test_a_rank_runs_its_script_with_its_own_environment_forked_or_fresh(tmp_pat
     assert preloaded is (fresh == "0")
 
 
-def readme_block(name: str) -> str:
-    """The README's text between <!-- NAME:begin --> and <!-- NAME:end -->."""
-    readme = open(os.path.join(ROOT, "README.md")).read()
+PERFORMANCE_PAGE = os.path.join(ROOT, "docs", "performance.md")
+
+
+def docs_block(name: str) -> str:
+    """The performance page's text between <!-- NAME:begin --> and <!-- NAME:end -->."""
+    with open(PERFORMANCE_PAGE) as f:
+        page = f.read()
     begin, end = f"<!-- {name}:begin -->\n", f"<!-- {name}:end -->"
-    return readme[readme.index(begin) + len(begin) : readme.index(end)]
+    return page[page.index(begin) + len(begin) : page.index(end)]
 
 
-def test_readme_performance_tables_are_the_committed_measurement():
-    """The README's benchmark tables are rendered from scripts/results/benchmark_quick.json, never typed:
+def test_docs_performance_tables_are_the_committed_measurement():
+    """The performance page's benchmark tables are rendered from scripts/results/benchmark_quick.json, never typed:
     re-render with `python scripts/benchmark.py --from-json scripts/results/benchmark_quick.json`."""
     with open(os.path.join(ROOT, "scripts", "results", "benchmark_quick.json")) as f:
         summary = json.load(f)["summary"]
-    block = readme_block("benchmark")
+    block = docs_block("benchmark")
     assert block.strip() == render_markdown(summary).strip()
 
 
-def test_readme_long_context_table_is_the_committed_measurement():
-    """The README's sequence-parallelism table is rendered from scripts/results/long_context.json, never typed:
-    re-render with `python scripts/benchmark.py --long-context --from-json scripts/results/long_context.json`."""
+def test_docs_long_context_table_is_the_committed_measurement():
+    """The performance page's sequence-parallelism table is rendered from scripts/results/long_context.json, never
+    typed: re-render with `python scripts/benchmark.py --long-context --from-json scripts/results/long_context.json`."""
     from benchmark_long_context import render_markdown as render_long_context
 
     with open(os.path.join(ROOT, "scripts", "results", "long_context.json")) as f:
         saved = json.load(f)
-    block = readme_block("long-context")
+    block = docs_block("long-context")
     assert block.strip() == render_long_context(saved).strip()
 
 
@@ -346,64 +350,41 @@ def test_sweep_runs_a_tiny_size_end_to_end(tmp_path):
     assert "hf_fsdp2 vs transformers_fsdp2" in proc.stdout
 
 
-def test_readme_size_sweep_table_is_the_committed_measurement():
-    """The README's size-sweep table is rendered from scripts/results/sweep.json, never typed: re-render with
+def test_docs_size_sweep_table_is_the_committed_measurement():
+    """The performance page's size-sweep table is rendered from scripts/results/sweep.json, never typed: re-render with
     `python scripts/benchmark.py --sweep --from-json scripts/results/sweep.json`."""
     from benchmark_sweep import render_markdown as render_sweep
 
     with open(os.path.join(ROOT, "scripts", "results", "sweep.json")) as f:
         saved = json.load(f)
-    block = readme_block("sweep")
+    block = docs_block("sweep")
     assert block.strip() == render_sweep(saved).strip()
 
 
-def test_readme_quotes_the_sweep_run_after_the_rendezvous_fix():
-    """The 100M/400M run with the launcher-hosted rendezvous store, quoted in the README per phase against its peer:
-    `python scripts/benchmark.py --sweep --from-json scripts/results/sweep_store.json`."""
-    from benchmark_sweep import PEERS
-
-    with open(os.path.join(ROOT, "scripts", "results", "sweep_store.json")) as f:
-        saved = json.load(f)
-    assert list(saved["results"]) == ["100M", "400M"]
-    with open(os.path.join(ROOT, "README.md")) as f:
-        readme = " ".join(f.read().split())
-    for label, phase in [
-        ("load", "load_s"),
-        ("resume", "resume_s"),
-        ("consolidation", "consolidate_s"),
-        ("step", "step_s"),
-    ]:
-        sizes = saved["results"].values()
-        ratios = "/".join(f"{s['systems']['hf_fsdp2'][phase] / s['systems'][PEERS[phase]][phase]:.2f}" for s in sizes)
-        assert f"{label} {ratios}x" in readme, (label, ratios)
-
-
-def test_readme_sweep_repeat_ratios_are_the_committed_repeat():
-    """The repeat run's ratios the README quotes (100M/400M per phase) are what scripts/results/sweep_repeat.json
-    renders to: `python scripts/benchmark.py --sweep --from-json scripts/results/sweep_repeat.json`."""
+@pytest.mark.parametrize("name", ["sweep", "sweep_repeat", "sweep_store", "sweep_small"])
+def test_docs_sweep_ratios_are_the_committed_sweeps(name):
+    """Each sweep's row of ratios on the performance page (hf_fsdp2 against its peer per phase, per size) is what its
+    JSON holds: `python scripts/benchmark.py --sweep --from-json scripts/results/NAME.json` prints the same seconds."""
     from benchmark_sweep import PEERS
     from benchmark_sweep import render_markdown as render_sweep
 
-    with open(os.path.join(ROOT, "scripts", "results", "sweep_repeat.json")) as f:
+    with open(os.path.join(ROOT, "scripts", "results", f"{name}.json")) as f:
         saved = json.load(f)
-    assert list(saved["results"]) == ["100M", "400M"] and "**2.26x**" in render_sweep(saved)
-
-    def ratios(phase: str) -> str:
-        sizes = saved["results"].values()
-        return "/".join(f"{s['systems']['hf_fsdp2'][phase] / s['systems'][PEERS[phase]][phase]:.2f}" for s in sizes)
-
-    with open(os.path.join(ROOT, "README.md")) as f:
-        readme = " ".join(f.read().split())
-    for label, phase in [("load", "load_s"), ("resume", "resume_s"), ("consolidation", "consolidate_s")]:
-        assert f"{label} {ratios(phase)}x" in readme
-    assert f"save {ratios('save_s')}x and step {ratios('step_s')}x Accelerate" in readme
+    assert render_sweep(saved)  # still renders
+    cells = [
+        "/".join(f"{s['systems']['hf_fsdp2'][p] / s['systems'][PEERS[p]][p]:.2f}" for s in saved["results"].values())
+        for p in ("load_s", "ready_s", "save_s", "resume_s", "consolidate_s", "step_s")
+    ]
+    rows = [line for line in open(PERFORMANCE_PAGE).read().splitlines() if f"| `{name}.json` |" in line]
+    assert len(rows) == 1, rows
+    assert rows[0].endswith(f"| `{name}.json` | " + " | ".join(cells) + " |"), (rows[0], cells)
 
 
 def test_a_checkpoint_rewritten_in_place_reaches_every_weight_of_transformers_native_fsdp2():
-    """The safety step the README gives for our load time, measured on the peer (scripts/measure_file_rewrite.py):
-    native FSDP2 leaves weights as private maps of the file, so zeroing its bytes in place zeroes every weight; ours
-    copies the rows (tests/test_loading_distributed.py pins that). The script's other rewrite (the file cut short:
-    SIGBUS) is left to it: another 2-rank launch."""
+    """The safety step the performance page gives for our load time, measured on the peer
+    (scripts/measure_file_rewrite.py): native FSDP2 leaves weights as private maps of the file, so zeroing its bytes in
+    place zeroes every weight; ours copies the rows (tests/test_loading_distributed.py pins that). The script's other
+    rewrite (the file cut short: SIGBUS) is left to it: another 2-rank launch."""
     from measure_file_rewrite import main
 
     args = ["--layers", "1", "--hidden", "64", "--vocab", "256", "--systems", "transformers_fsdp2", "--modes", "zero"]

@@ -92,7 +92,7 @@ def test_fp16_training_arguments_are_refused_with_the_fix():
         mixed_precision_policy(FSDP2Config(), bf16=False, fp16=True)
 
 
-def test_readme_configuration_reference_is_generated_from_the_dataclass():
+def test_docs_configuration_reference_is_generated_from_the_dataclass():
     import os
     import subprocess
     import sys
@@ -100,7 +100,9 @@ def test_readme_configuration_reference_is_generated_from_the_dataclass():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     script = os.path.join(root, "scripts", "config_reference.py")
     proc = subprocess.run(
-        [sys.executable, script, "--check", os.path.join(root, "README.md")], capture_output=True, text=True
+        [sys.executable, script, "--check", os.path.join(root, "docs", "reference", "config.md")],
+        capture_output=True,
+        text=True,
     )
     assert proc.returncode == 0, proc.stdout
 

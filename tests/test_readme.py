@@ -1,10 +1,14 @@
-"""The README, run as written: every fenced block is either run here or says why not, and the Quickstart's
-second command is the one CI runs, so following the README is what CI proves.
+"""The README and the docs pages, run as written: every fenced block is either run here or says why not, and the
+Quickstart's second command is the one CI runs, so following the README is what CI proves.
 
 A block marked `<!-- snippet: NAME -->` runs as written: Python snippets in one 2-rank launch (the minimal
 example also as one plain process, as its comment offers), shell commands as they are, from a workspace
 folder that holds the README's placeholders (`path/to/hf-model`: a tiny Llama with its tokenizer;
 `train.jsonl`/`eval.jsonl`; `recipes/`). A block marked `<!-- not run: WHY -->` says why it is not.
+
+The README and every page under docs/ are read the same way; a snippet name belongs to one block, or to blocks that
+are word for word the same (the Quickstart and the minimal example are on the README and on Getting started), so
+each snippet runs once.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ import torch
 from tests.launch import ROOT, run
 
 README = os.path.join(ROOT, "README.md")
+DOCS = os.path.join(ROOT, "docs")
+PLAN_PAGE = os.path.join(DOCS, "plan.md")
 FENCE = re.compile(r"^(?P<indent> *)```(?P<lang>\w*)\n(?P<body>.*?)^(?P=indent)```", re.M | re.S)
 MARK = re.compile(r"<!-- (?:snippet: (?P<name>[\w-]+)|not run: (?P<why>.+?)) -->\s*$")
 PYTHON_SNIPPETS = ("minimal", "classification", "mixin", "trl", "lora")
@@ -36,11 +42,25 @@ class Block:
     line: int
     name: str | None  # from <!-- snippet: NAME -->
     why_not: str | None  # from <!-- not run: WHY -->
+    page: str = "README.md"  # relative to the repository root
+
+
+def pages() -> list[str]:
+    """The README and every docs page, as paths relative to the repository root."""
+    found = ["README.md"]
+    for folder, _, files in sorted(os.walk(DOCS)):
+        found += sorted(os.path.relpath(os.path.join(folder, f), ROOT) for f in files if f.endswith(".md"))
+    return found
 
 
 def readme_blocks() -> list[Block]:
-    """Every fenced block of the README with the marker on the line before it."""
-    text = open(README).read()
+    """Every fenced block of the README and the docs pages, with the marker on the line before it."""
+    return [block for page in pages() for block in page_blocks(page)]
+
+
+def page_blocks(page: str) -> list[Block]:
+    """Every fenced block of one page with the marker on the line before it."""
+    text = open(os.path.join(ROOT, page)).read()
     blocks = []
     for match in FENCE.finditer(text):
         before = text[: match.start()].rstrip("\n").rsplit("\n", 1)[-1].strip()
@@ -53,13 +73,14 @@ def readme_blocks() -> list[Block]:
                 text[: match.start()].count("\n") + 1,
                 mark["name"] if mark else None,
                 mark["why"] if mark else None,
+                page,
             )
         )
     return blocks
 
 
 def snippet(name: str) -> str:
-    """The code of the block marked `<!-- snippet: NAME -->`."""
+    """The code of the block marked `<!-- snippet: NAME -->` (the same wherever it appears)."""
     return next(b.body for b in readme_blocks() if b.name == name)
 
 
@@ -88,11 +109,51 @@ def ci_lines() -> list[str]:
 
 def test_every_block_is_run_or_says_why_not():
     blocks = readme_blocks()
-    unmarked = [f"line {b.line}: {b.body.splitlines()[0][:60]}" for b in blocks if not (b.name or b.why_not)]
+    unmarked = [f"{b.page}:{b.line}: {b.body.splitlines()[0][:60]}" for b in blocks if not (b.name or b.why_not)]
     assert not unmarked, "mark each block <!-- snippet: NAME --> (and run it here) or <!-- not run: WHY -->"
-    names = [b.name for b in blocks if b.name]
+    names = {b.name for b in blocks if b.name}
     assert sorted(names) == sorted(PYTHON_SNIPPETS + SHELL_SNIPPETS), names
     assert all(b.lang == "python" for b in blocks if b.name in PYTHON_SNIPPETS)
+    for name in names:  # a name on several pages is one snippet, word for word: it runs once
+        copies = {(b.page, b.line): b.body for b in blocks if b.name == name}
+        assert len(set(copies.values())) == 1, f"snippet {name} differs between {sorted(copies)}"
+
+
+def test_readme_and_getting_started_show_the_same_quickstart_and_minimal_example():
+    for name in ("quickstart", "minimal"):
+        assert {b.page for b in readme_blocks() if b.name == name} == {"README.md", "docs/getting-started.md"}
+
+
+def test_readme_is_a_front_door():
+    """The README stays short: the rest is on the docs pages it links."""
+    with open(README) as f:
+        assert len(f.readlines()) <= 250
+
+
+def test_scripts_readme_lists_every_script():
+    """scripts/README.md gives each script one line."""
+    with open(os.path.join(ROOT, "scripts", "README.md")) as f:
+        listed = f.read()
+    scripts = [n for n in os.listdir(os.path.join(ROOT, "scripts")) if n.endswith((".py", ".sh"))]
+    assert not [n for n in scripts if f"| `{n}` |" not in listed]
+
+
+def test_cli_reference_page_is_what_the_parser_prints():
+    """docs/reference/cli.md is generated: regenerate with `python scripts/cli_reference.py`."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    from cli_reference import PAGE, render_page
+
+    with open(PAGE) as f:
+        assert f.read() == render_page(), "stale: run python scripts/cli_reference.py"
+
+
+def test_configuration_reference_groups_every_field_and_is_current():
+    """docs/reference/config.md shows every FSDP2Config field in its group: regenerate with
+    `python scripts/config_reference.py --write docs/reference/config.md`."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    from config_reference import page_tables, reference_tables
+
+    assert page_tables(os.path.join(DOCS, "reference", "config.md")) == reference_tables()
 
 
 def test_quickstart_is_two_commands_and_the_second_is_what_ci_runs():
@@ -260,9 +321,9 @@ def test_long_context_recipe_runs_as_written_with_rows_split_across_ranks(worksp
 
 
 def test_plan_example_is_what_the_planner_prints():
-    """The README's plan example is the planner's output, not typed: regenerate with scripts/readme_plan_example.py."""
+    """The plan page's example is the planner's output, not typed: regenerate with scripts/readme_plan_example.py."""
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
     from readme_plan_example import current_block
 
-    match, printed = current_block(README)
+    match, printed = current_block(PLAN_PAGE)
     assert match[3] == printed, "stale: run python scripts/readme_plan_example.py"
