@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from .callbacks import ConsolidateCallback
     from .config import FSDP2Config
     from .consolidation import consolidate
+    from .disk_space import CheckpointDiskFull, CheckpointWriteError
     from .distributed import close_distributed
     from .gathering import gathered
     from .memory_plan import plan
@@ -37,6 +38,8 @@ if TYPE_CHECKING:
 
 # Each public name and the submodule that defines it.
 _EXPORTS = {
+    "CheckpointDiskFull": "disk_space",
+    "CheckpointWriteError": "disk_space",
     "ConsolidateCallback": "callbacks",
     "FSDP2Config": "config",
     "FSDP2Mixin": "trainer",
@@ -49,6 +52,8 @@ _EXPORTS = {
     "prepare_model": "model",
 }
 __all__ = [
+    "CheckpointDiskFull",
+    "CheckpointWriteError",
     "ConsolidateCallback",
     "FSDP2Config",
     "FSDP2Mixin",

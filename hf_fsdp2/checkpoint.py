@@ -248,22 +248,12 @@ class PartSavers:
             stager.close()
 
 
-def save_sharded(
-    directory: str,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-    savers: PartSavers,
-    include_model: bool = True,
-    direct: bool = False,
-) -> list[Any]:
-    """Write this rank's part of the model (and optimizer) under `directory`.
+def sharded_parts(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, include_model: bool = True
+) -> list[tuple[str, dict[str, Any]]]:
+    """This rank's state to save, as (folder, DCP state) per part: the model and the optimizer.
 
-    `include_model=False` writes only the optimizer (adapter checkpoints keep the weights in peft's files);
-    `direct=True` writes the files with O_DIRECT (FSDP2Config.checkpoint_writes="direct").
-
-    With stagers in `savers` (async) the state is copied to host memory now and written in the background; the
-    returned futures finish when it is on disk. Otherwise the parts are written at once, each in its own thread,
-    and it returns [] once both are on disk.
+    `include_model=False` leaves the model out (adapter checkpoints keep the weights in peft's files).
     """
     # NOTE: a forward under no_grad (evaluate) leaves the units that skip resharding after forward (the root, the
     # last block) gathered, their unsharded tensors registered on the modules; the optimizer's state is keyed by
@@ -272,6 +262,19 @@ def save_sharded(
     parts = [(MODEL_DIR, {MODEL_KEY: model_state_dict(model)})] if include_model else []
     if optimizer is not None:
         parts.append((OPTIMIZER_DIR, {OPTIMIZER_KEY: get_optimizer_state_dict(model, optimizer)}))
+    return parts
+
+
+def write_parts(
+    directory: str, parts: list[tuple[str, dict[str, Any]]], savers: PartSavers, direct: bool = False
+) -> list[Any]:
+    """Write this rank's `parts` (from `sharded_parts`) under `directory`; `direct=True` writes with O_DIRECT
+    (FSDP2Config.checkpoint_writes="direct").
+
+    With stagers in `savers` (async) the state is copied to host memory now and written in the background; the
+    returned futures finish when it is on disk. Otherwise the parts are written at once, each in its own thread,
+    and it returns [] once both are on disk.
+    """
     writers = {folder: storage_writer(os.path.join(directory, folder), direct) for folder, _ in parts}
     if savers.stagers:
         return [
@@ -293,6 +296,18 @@ def save_sharded(
         ]
     )
     return []
+
+
+def wait_for_writes(pending: list[Any]) -> BaseException | None:
+    """Wait for every asynchronous part of a save (from `write_parts`); return the first failure, not raise it, so
+    the caller can remove the partial folder once nothing writes into it any more."""
+    failure = None
+    for save in pending:
+        try:
+            getattr(save, "upload_completion", save).result()
+        except (Exception, CheckpointException) as error:  # CheckpointException is a BaseException
+            failure = failure or error
+    return failure
 
 
 def run_at_once(calls: list[Callable[[], Any]]) -> None:
@@ -342,7 +357,7 @@ def resume_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, checkpo
     Raises:
         ValueError: when `checkpoint` has no complete optimizer_0 folder or its files cannot be read.
     """
-    reshard_all(model)  # the optimizer's parameters are the sharded ones (see save_sharded)
+    reshard_all(model)  # the optimizer's parameters are the sharded ones (see sharded_parts)
     directory = os.path.join(checkpoint, OPTIMIZER_DIR)
     if not os.path.isdir(directory) and has_full_optimizer_state(checkpoint):
         load_full_optimizer_state(model, optimizer, checkpoint)

@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .checkpoint import MODEL_KEY, load_in_place, read_metadata, validate_checkpoint
 from .config import resolve_dtype
+from .disk_space import check_room, raise_if_write_failed
 from .distcp_reader import SafeFileSystemReader
 from .hf_export import TensorSpec, export_dtype, prepare_output, publish, write_order, write_weights
 
@@ -65,6 +66,7 @@ def consolidate(
     source = _model_files_dir(checkpoint_dir, directory)
     specs = [TensorSpec(k, tuple(md.size), export_dtype(md.properties.dtype, target)) for k, md in stored.items()]
     specs = write_order(specs, max_shard_size)  # batches are read in the order the files are written
+    need = check_room(output_dir, sum(spec.nbytes for spec in specs), what="export")  # fails at once when full
     staging = prepare_output(output_dir, overwrite)
     reader = SafeFileSystemReader(directory, cache_metadata=True)
     batches = read_batches(specs, max(spec.nbytes for spec in specs))
@@ -80,6 +82,8 @@ def consolidate(
     try:
         write_weights(staging, specs, fetch, max_shard_size)
         _copy_model_files(source, staging, target)
+    except OSError as error:
+        raise_if_write_failed(error, output_dir, staging, need, what="export")  # the clear error, staging removed
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

@@ -162,34 +162,73 @@ def write_weights(
     fetch: Callable[[TensorSpec], torch.Tensor | None],
     max_shard_size: str | int = "5GB",
     write: bool = True,
+    fetch_all: bool = False,
 ) -> None:
     """Stream every tensor through `fetch` into safetensors files under `directory` (+ index if several).
 
     `fetch` is called for every spec, in order, even where `write` is False: it may be a collective that
-    every rank must join (gathering one sharded tensor), while only the writing rank keeps the result.
+    every rank must join (gathering one sharded tensor), while only the writing rank keeps the result. With
+    `fetch_all`, a failed write (a full disk) stops the writing but not the fetching, and is raised at the end,
+    so the other ranks are never left waiting in a gather.
     """
     files, split = plan_files(specs, max_shard_size)
     progress = logging.tqdm(total=len(specs), desc="Writing weights", disable=not write or len(specs) < 50)
+    failure: OSError | None = None
     for name, group in files:
-        stream = SafetensorsStream(os.path.join(directory, name), group) if write else None
+        stream = _FileWrite(os.path.join(directory, name), group) if write and failure is None else None
         try:
             for spec in group:
                 tensor = fetch(spec)
                 if stream is not None:
                     stream.write(tensor)
+                    if stream.failure is not None and not fetch_all:
+                        raise stream.failure
                 del tensor  # freed before the next fetch reads: the peak is one batch, not a tensor + a batch
                 progress.update(1)
         except BaseException:
             if stream is not None:
-                stream.file.abort()
+                stream.abort()
             raise
-        if stream is not None:
-            stream.close()
+        failure = failure or (stream.finish(raise_failure=not fetch_all) if stream is not None else None)
     progress.close()
+    if failure is not None:
+        raise failure
     if write and split.is_sharded:
         index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
         with open(os.path.join(directory, SAFE_INDEX), "w") as f:
             json.dump(index, f, indent=2, sort_keys=True)
+
+
+class _FileWrite:
+    """One safetensors file being written; its first OSError is kept and every later write skipped."""
+
+    def __init__(self, path: str, specs: list[TensorSpec]) -> None:
+        self.failure: OSError | None = None
+        self.stream: SafetensorsStream | None = None
+        self._try(lambda: setattr(self, "stream", SafetensorsStream(path, specs)))
+
+    def write(self, tensor: torch.Tensor) -> None:
+        if self.stream is not None and self.failure is None:
+            self._try(lambda: self.stream.write(tensor))
+
+    def _try(self, call: Callable[[], None]) -> None:
+        try:
+            call()
+        except OSError as error:
+            self.failure = error
+            self.abort()
+
+    def abort(self) -> None:
+        if self.stream is not None:
+            self.stream.file.abort()
+
+    def finish(self, raise_failure: bool) -> OSError | None:
+        """Close the file; return (or raise) the first failure."""
+        if self.failure is None and self.stream is not None:
+            self._try(self.stream.close)
+        if self.failure is not None and raise_failure:
+            raise self.failure
+        return self.failure
 
 
 def staging_dir(final: str) -> str:

@@ -11,10 +11,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 from .adapter_checkpoint import full_copy, merged_state, save_adapter
 from .checkpoint import model_state_dict
 from .config import resolve_dtype
+from .disk_space import check_room, raise_if_write_failed
 from .distributed import is_rank0
 from .facts import facts_of
 from .hf_export import TensorSpec, export_dtype, prepare_output, publish, write_weights
@@ -65,18 +67,44 @@ def save_pretrained_sharded(
     peft = facts_of(model).is_peft
     if merge_adapters and not peft:
         raise ValueError("merge_adapters_on_save=True, but the model has no PEFT adapters to merge; turn it off.")
-    staging = prepare_output(output_dir, overwrite=True) if is_rank0() else ""
-    if peft and not merge_adapters:
-        save_adapter(model, staging)
-        if is_rank0():
-            write_model_files(None, staging, processing_class)
-    else:
-        written = _write_weights_gathered(model, staging, dtype, max_shard_size)
-        if is_rank0():
-            write_model_files(model.get_base_model() if peft else model, staging, processing_class, written)
+    staging, need, error = "", 0, None
+    try:
+        own = _export_bytes(model, dtype, adapter_only=peft and not merge_adapters) if is_rank0() else 0
+        need = check_room(output_dir, own, what="export")  # fails at once, on every rank, when plainly full
+        staging = prepare_output(output_dir, overwrite=True) if is_rank0() else ""
+        _write_export(model, staging, processing_class, dtype, max_shard_size, peft and not merge_adapters)
+    except (Exception, CheckpointException) as caught:  # NOTE: every rank learns of it below
+        error = caught
+    raise_if_write_failed(error, output_dir, staging, need, what="export")
     if is_rank0():
         publish(staging, output_dir)
     dist.barrier()
+
+
+def _write_export(
+    model: nn.Module, staging: str, processing_class: Any, dtype: str | None, max_shard_size: str | int, adapter: bool
+) -> None:
+    """Write the export's files into `staging` (rank 0; the other ranks join the gathers)."""
+    if adapter:
+        save_adapter(model, staging)
+        if is_rank0():
+            write_model_files(None, staging, processing_class)
+        return
+    written = _write_weights_gathered(model, staging, dtype, max_shard_size)
+    if is_rank0():
+        base = model.get_base_model() if facts_of(model).is_peft else model
+        write_model_files(base, staging, processing_class, written)
+
+
+def _export_bytes(model: nn.Module, dtype: str | None, adapter_only: bool) -> int:
+    """The bytes of the weights an export writes: the adapters' (trainable) tensors, or every tensor in its dtype."""
+    if adapter_only:
+        return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    target, upcast = resolve_dtype(dtype), facts_of(model).upcast_from
+    return sum(
+        t.numel() * export_dtype(t.dtype, target or upcast.get(name)).itemsize
+        for name, t in model_state_dict(model).items()
+    )
 
 
 def _write_weights_gathered(
@@ -104,6 +132,6 @@ def _write_weights_gathered(
             full = merge(spec.name, full)
         return full if is_rank0() else None
 
-    write_weights(staging, specs, fetch, max_shard_size, write=is_rank0())
+    write_weights(staging, specs, fetch, max_shard_size, write=is_rank0(), fetch_all=True)
     floating = {spec.dtype for spec in specs if spec.dtype.is_floating_point}
     return floating.pop() if len(floating) == 1 else None

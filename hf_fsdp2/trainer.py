@@ -62,6 +62,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.fsdp import FSDPModule
 from transformers import Trainer, TrainingArguments
 from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME, TRAINING_ARGS_NAME
@@ -79,10 +80,13 @@ from .checkpoint import (
     commit_checkpoint,
     resume_model,
     resume_optimizer,
-    save_sharded,
+    sharded_parts,
+    wait_for_writes,
+    write_parts,
 )
 from .chunked_loss import chunked_loss, log_unchunked, why_not_chunked
 from .config import FSDP2Config
+from .disk_space import check_room, raise_if_write_failed, tensor_bytes
 from .distributed import init_distributed, is_rank0, log_rank0, warn_rank0
 from .facts import describe, facts_of, forward_source, unwrap_peft
 from .from_accelerate import resolve_config
@@ -337,16 +341,33 @@ class FSDP2Mixin:
         if self._savers is None:
             # NOTE: creates process groups: a collective, as is every save.
             self._savers = PartSavers(async_save=self.fsdp2_config.async_save)
-        direct = self.fsdp2_config.checkpoint_writes == "direct"
-        pending = save_sharded(staging, self.model, optimizer, self._savers, not self._peft, direct)
-        if self._peft:
-            save_adapter(self.model, staging)  # small and gathered: written before training goes on
-        self._save_checkpoint_files(staging)
-        self._pending_save = (pending, staging, final, run_dir)
+        pending, need, error = [], 0, None
+        try:
+            parts = sharded_parts(self.model, optimizer, not self._peft)
+            need = check_room(final, tensor_bytes(parts) + self._adapter_bytes())  # fails at once when plainly full
+            pending = write_parts(staging, parts, self._savers, self.fsdp2_config.checkpoint_writes == "direct")
+            if self._peft:
+                save_adapter(self.model, staging)  # small and gathered: written before training goes on
+            self._save_checkpoint_files(staging)
+        except (Exception, CheckpointException) as caught:  # CheckpointException is a BaseException
+            error = caught
+        if self._savers.stagers:
+            # NOTE: async: every rank learns of a failure here, before any goes on training (the writes in flight
+            # are waited for first, so the partial folder can be removed).
+            if error is not None:  # the writes' own failure first: the files they filled the disk with made ours fail
+                error = wait_for_writes(pending) or error
+            raise_if_write_failed(error, final, staging, need)
+        self._pending_save = (pending, staging, final, run_dir, need, error)
         if not pending or self._preemption.stop_signal:
             self._wait_for_pending_save()
         if self._preemption.stop_signal:
             self._stop_preempted(final)
+
+    def _adapter_bytes(self) -> int:
+        """Bytes of the adapter files rank 0 writes into a PEFT checkpoint (0 elsewhere)."""
+        if not self._peft or not is_rank0():
+            return 0
+        return sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
 
     def _stop_preempted(self, checkpoint: str) -> None:
         """The preemption checkpoint is on disk: end training here, skipping the end-of-training export."""
@@ -383,10 +404,10 @@ class FSDP2Mixin:
         """Finish the last save: wait for its writes, publish it under its name, rotate old checkpoints."""
         if self._pending_save is None:
             return
-        pending, staging, final, run_dir = self._pending_save
+        pending, staging, final, run_dir, need, error = self._pending_save
         self._pending_save = None
-        for save in pending:
-            getattr(save, "upload_completion", save).result()
+        error = error or wait_for_writes(pending)
+        raise_if_write_failed(error, final, staging, need)  # NOTE: collective: one clear error on every rank
         commit_checkpoint(staging, final)
         if self._peft and is_rank0():
             size, base_bytes = _folder_bytes(final), _base_model_bytes(self.model)

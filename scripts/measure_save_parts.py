@@ -1,7 +1,7 @@
 """Where a checkpoint save's time goes, after one training step of the benchmark's 100M Llama on 2 ranks:
 
   sync save, parts one after the other   dcp.save of the model, then of the optimizer
-  sync save, parts at once               each part in its own thread and gloo group (what save_sharded does)
+  sync save, parts at once               each part in its own thread and gloo group (what write_parts does)
   sync save, thread_count=2              one after the other, DCP's FileSystemWriter writing with 2 threads
   async staging, DCP's DefaultStager     the copy an async save blocks on, per part, buffers cached
   async staging, a plain copy            the same bytes copied into cached buffers, DTensors rebuilt around them

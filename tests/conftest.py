@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 
@@ -37,6 +38,36 @@ def tiny(tmp_path_factory: pytest.TempPathFactory):
         return cache[key]
 
     return get
+
+
+class _Records(logging.Handler):
+    """Keep every record handed to it, in order."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@pytest.fixture
+def hf_fsdp2_records():
+    """Return the list of records hf_fsdp2's loggers emit during the test, each exactly once.
+
+    A handler on the "hf_fsdp2" logger itself sees each record once whatever the propagation state: caplog's
+    count depends on it (hf_fsdp2 hangs under transformers' logger, which does not propagate; pytest 9.2 attaches
+    caplog to non-propagating loggers too, so turning propagation on there made every record arrive twice).
+    """
+    logger = logging.getLogger("hf_fsdp2")
+    handler, level = _Records(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)  # not the level another test left on transformers' logger
+    try:
+        yield handler.records
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 # Modules that take longest start first, so the two workers (setup.cfg: -n 2 --dist loadfile) end together.

@@ -56,23 +56,18 @@ def test_a_call_on_rank_0_only_fails_within_the_bound_naming_the_fix(tmp_path, t
     assert result["seconds"] < 5 + 10, result  # the bound (5 s in the worker) and a margin
 
 
-def test_generate_gathers_per_token_when_the_gathered_model_would_not_fit(monkeypatch, caplog):
+def test_generate_gathers_per_token_when_the_gathered_model_would_not_fit(monkeypatch, hf_fsdp2_records):
     """The decision is agreed by every rank; when the whole model would not fit it falls back, saying so once."""
-    import logging
-
-    import transformers
     from torch import nn
 
     from hf_fsdp2 import collective_methods
 
-    monkeypatch.setattr(transformers.logging.get_logger(), "propagate", True)  # our lines go to transformers' logger
     model = nn.Linear(2, 2)
     monkeypatch.setattr(collective_methods, "gathered_bytes", lambda m: 10 * 2**30)
     monkeypatch.setattr(collective_methods, "free_memory", lambda: 2 * 2**30)
-    with caplog.at_level(logging.WARNING):
-        assert not collective_methods._gathered_fits(model)
-        assert not collective_methods._gathered_fits(model)
-    said = [r.getMessage() for r in caplog.records if "gathering each unit per token" in r.getMessage()]
+    assert not collective_methods._gathered_fits(model)
+    assert not collective_methods._gathered_fits(model)
+    said = [r.getMessage() for r in hf_fsdp2_records if "gathering each unit per token" in r.getMessage()]
     assert len(said) == 1 and "10.0 GiB" in said[0]
     monkeypatch.setattr(collective_methods, "free_memory", lambda: 100 * 2**30)
     assert collective_methods._gathered_fits(model)

@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 
 import torch
 from datasets import Dataset
@@ -107,7 +108,47 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--signal-rank", type=int, default=1)
     p.add_argument("--signal-to", default="self", choices=["self", "agent"], help="itself, or torchrun's agent")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step takes at least")
+    p.add_argument("--fill-disk-at-save", type=int, default=0, help="fill the run dir's file system in save N")
+    p.add_argument("--export-to", default=None, help="trainer.save_model(this folder) after training")
     return p.parse_args(argv)
+
+
+def fill_disk_at_save(nth: int, out: str) -> None:
+    """Once the nth save's room check has passed, fill the file system it writes to, leaving a quarter of what the
+    save needs (as another process writing there would): the save then fails mid-write on a really full disk.
+
+    Rank 0 first records the checkpoints already there (file -> sha256) in OUT/before_fill.json; the ballast is
+    the file `ballast` beside the run dir (remove it to free the space again).
+    """
+    import hashlib
+
+    import torch.distributed as dist
+
+    import hf_fsdp2.trainer as trainer_module
+
+    real, calls = trainer_module.check_room, {"n": 0}
+
+    def check_then_fill(folder: str, own: int, what: str = "checkpoint") -> int:
+        need = real(folder, own, what)
+        calls["n"] += 1
+        if calls["n"] == nth and dist.get_rank() == 0:
+            run_dir = os.path.dirname(folder)
+            before = {}
+            for root, _, files in os.walk(run_dir):
+                for name in files:
+                    path = os.path.join(root, name)
+                    with open(path, "rb") as f:
+                        before[os.path.relpath(path, run_dir)] = hashlib.sha256(f.read()).hexdigest()
+            os.makedirs(out, exist_ok=True)
+            with open(os.path.join(out, "before_fill.json"), "w") as f:
+                json.dump(before, f)
+            with open(os.path.join(os.path.dirname(run_dir), "ballast"), "wb") as f:
+                f.write(b"\0" * (shutil.disk_usage(run_dir).free - need // 4))
+        if calls["n"] == nth:
+            dist.barrier()
+        return need
+
+    trainer_module.check_room = check_then_fill
 
 
 def kill_inside_save(nth: int) -> None:
@@ -262,6 +303,8 @@ def train(argv: list[str]) -> None:
     )
     if args.kill_in_save:
         kill_inside_save(args.kill_in_save)
+    if args.fill_disk_at_save:
+        fill_disk_at_save(args.fill_disk_at_save, args.out)
     vocab = 96
     data = make_classification_dataset if args.task == "classify" else make_dataset
     data = make_pattern_dataset if args.data == "pattern" else data
@@ -282,6 +325,8 @@ def train(argv: list[str]) -> None:
     resume = True if args.resume == "last" else args.resume
     with _counting_collectives() as calls:
         trainer.train(resume_from_checkpoint=resume)
+    if args.export_to:
+        trainer.save_model(args.export_to)
     result["all_gathers_in_training"] = calls["all_gather"]
     result["steps_run"] = disruptions.steps_run
     result["use_cpu"] = training_args.use_cpu
