@@ -156,9 +156,10 @@ def run_check(args: argparse.Namespace) -> dict:
     if args.keep:  # a second call: keep what the first finished, record where each part came from
         with open(args.keep) as f:
             kept = json.load(f)
+        results["earlier_calls_wall_s"] = [*kept.get("earlier_calls_wall_s", []), kept.get("wall_s")]
         for part, outcome in kept["parts"].items():
             if part in PARTS and outcome.get("status") == "ok":
-                results["parts"][part] = {**outcome, "kept_from": kept.get("environment", {}).get("date", "?")}
+                results["parts"][part] = {**outcome, "call": outcome.get("call", len(results["earlier_calls_wall_s"]))}
                 wanted = [p for p in wanted if p != part]
     runs = plan_runs(args.dry_run)
     for part in [p for p in PARTS if p in wanted and p not in results["parts"]]:
@@ -749,15 +750,20 @@ def render_markdown(results: dict) -> str:
     """The GPU tables of the README, from a results file."""
     env = results.get("environment", {})
     parts = results["parts"]
+    calls = [*results.get("earlier_calls_wall_s", []), results.get("wall_s", 0)]
+    took = " + ".join(f"{(seconds or 0) / 60:.1f}" for seconds in calls)
     lines = [
         f"Measured on {env.get('device_name', '?')} ({env.get('date', '?')}; torch {env.get('torch')}, "
-        f"transformers {env.get('transformers')}) with `python scripts/gpu_check.py`, "
-        f"{results.get('wall_s', 0) / 60:.1f} min in all.",
+        f"transformers {env.get('transformers')}) with `python scripts/gpu_check.py`: {took} min"
+        + (f" in {len(calls)} calls (the later ones with `--keep`)." if len(calls) > 1 else "."),
         "",
-        "| part | status | seconds |",
-        "|---|---|---:|",
+        "| part | status | seconds | call |",
+        "|---|---|---:|---:|",
     ]
-    lines += [f"| {name} | {p['status']} | {p.get('seconds', '')} |" for name, p in parts.items()]
+    lines += [
+        f"| {name} | {p['status']} | {p.get('seconds', '')} | {p.get('call', len(calls))} |"
+        for name, p in parts.items()
+    ]
     lines += _parity_table(parts.get("parity", {}))
     lines += _throughput_table(parts, env)
     lines += _simple_table(parts, "qlora", ["load_peak_mib", "train_peak_mib", "step_median_s", "tokens_per_s"])

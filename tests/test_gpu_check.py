@@ -68,3 +68,16 @@ def test_a_part_that_would_not_fit_the_budget_is_skipped_and_says_so(tmp_path, m
     assert results["parts"]["parity"]["status"].startswith("skipped: 35 s left of the budget, ~40 s needed")
     with open(tmp_path / "r.json") as f:  # written as the parts went
         assert json.load(f)["parts"]["throughput"]["status"].startswith("skipped")
+
+
+def test_docs_gpu_table_is_the_committed_h100_run():
+    """docs/performance.md's GPU tables are rendered from scripts/results/gpu_h100.json, never typed: re-render
+    with `python scripts/gpu_check.py --from-json scripts/results/gpu_h100.json`."""
+    with open(os.path.join(ROOT, "scripts", "results", "gpu_h100.json")) as f:
+        results = json.load(f)
+    with open(os.path.join(ROOT, "docs", "performance.md")) as f:
+        page = f.read()
+    begin, end = "<!-- gpu:begin -->\n", "<!-- gpu:end -->"
+    block = page[page.index(begin) + len(begin) : page.index(end)]
+    assert block.strip() == gpu_check.render_markdown(results).strip()
+    assert results["environment"]["device_name"] == "NVIDIA H100 80GB HBM3"
