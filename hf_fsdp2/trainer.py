@@ -71,7 +71,6 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from transformers.utils import logging as transformers_logging
 
 from .adapter_checkpoint import check_mergeable, check_trainable_are_saved, load_adapter, save_adapter
-from .adapters import is_adapter_tensor
 from .branches import guard_optimizer
 from .callbacks import ConsolidateCallback
 from .checkpoint import (
@@ -688,8 +687,8 @@ _SLICE_AWARE_TRAINERS = ("SFTTrainer",)
 
 def _base_model_bytes(model: nn.Module) -> int:
     """Bytes of the model's non-adapter parameters (global sizes), to put adapter checkpoints in proportion."""
-    prefix = facts_of(model).adapter_prefix
-    return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not is_adapter_tensor(n, prefix))
+    facts = facts_of(model)
+    return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not facts.is_adapter(n))
 
 
 def _folder_bytes(folder: str) -> int:
