@@ -100,6 +100,23 @@ def base_root(model: nn.Module) -> str:
     return next(name for name, module in model.named_modules() if module is base)
 
 
+def check_supported(model: nn.Module) -> None:
+    """Refuse PEFT methods whose training reads whole adapter matrices outside forward, which a rank never holds.
+
+    Raises:
+        ValueError: for AdaLoRA, naming why and what to use instead.
+    """
+    for adapter, config in model.peft_config.items():
+        if config.peft_type.value == "ADALORA":
+            raise ValueError(
+                f"adapter {adapter!r} is AdaLoRA, which hf_fsdp2 does not train: its orthogonal regulariser (added to "
+                "the loss in forward) and update_and_allocate (rank pruning after each step) read whole lora_A, lora_B "
+                "and lora_E matrices, but FSDP2 gives each rank a slice of them; and with several ranks Trainer would "
+                "count the regulariser once per rank. Use LoRA instead: LoraConfig(r=...), with use_rslora=True "
+                "(rsLoRA) or use_dora=True (DoRA) for a variant."
+            )
+
+
 def base_name(name: str, root: str = _TUNER_ROOT) -> str:
     """The base model's name for a PEFT model's base tensor: `base_model.model.x.q_proj.base_layer.weight` →
     `x.q_proj.weight`; a modules_to_save copy maps to the original it was copied from. `root` is where the base

@@ -71,6 +71,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from transformers.utils import logging as transformers_logging
 
 from .adapter_checkpoint import check_mergeable, check_trainable_are_saved, load_adapter, save_adapter
+from .adapters import check_supported
 from .branches import guard_optimizer
 from .callbacks import ConsolidateCallback
 from .checkpoint import (
@@ -204,6 +205,7 @@ class FSDP2Mixin:
         """Check, then shard `model` and load its weights; remember parameter names to re-point an optimizer."""
         facts = facts_of(model) if isinstance(model, FSDPModule) else describe(model)
         if facts.is_peft:
+            check_supported(model)
             check_trainable_are_saved(model)
             if self.fsdp2_config.merge_adapters_on_save:
                 check_mergeable(model)

@@ -1,6 +1,6 @@
 """Every PEFT method peft ships, by peft's own account of its state: prompt tuning, prefix tuning, p-tuning, VeRA
 and the LoRA family at 2 ranks against plain Trainer in one process; adapter-only checkpoints and exports that
-`PeftModel.from_pretrained` loads to the one-process logits."""
+`PeftModel.from_pretrained` loads to the one-process logits; AdaLoRA refused by name."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import os
 
 import pytest
 import torch
-from peft import PeftModel, PrefixTuningConfig, PromptEncoderConfig, PromptTuningConfig, get_peft_model
+from peft import AdaLoraConfig, PeftModel, PrefixTuningConfig, PromptEncoderConfig, PromptTuningConfig, get_peft_model
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, TrainingArguments
 
-from hf_fsdp2 import from_pretrained
+from hf_fsdp2 import FSDP2Config, FSDP2Trainer, from_pretrained
 from hf_fsdp2.adapter_checkpoint import load_adapter, save_adapter
 from hf_fsdp2.adapters import check_replayable
 from hf_fsdp2.facts import ModelFacts
@@ -96,6 +96,14 @@ def test_adapter_state_is_peft_s_account_not_name_patterns(tiny):
     prompt = ModelFacts.of(get_peft_model(from_pretrained(tiny(MODEL)), config))
     assert prompt.base_root == "base_model"  # no tuner wrapper: the transformers model is base_model itself
     assert prompt.adapter_tensors == {"prompt_encoder.default.embedding.weight"}
+
+
+def test_adalora_is_refused_by_name_with_the_alternative(tmp_path, tiny):
+    config = AdaLoraConfig(init_r=4, target_r=2, total_step=4, target_modules=["q_proj", "v_proj"])
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    for base in (from_pretrained(tiny(MODEL)), AutoModelForCausalLM.from_pretrained(tiny(MODEL))):
+        with pytest.raises(ValueError, match="adapter 'default' is AdaLoRA.*read whole lora_A.*Use LoRA instead"):
+            FSDP2Trainer(get_peft_model(base, config), args, fsdp2_config=FSDP2Config(consolidate_on_train_end=False))
 
 
 def test_prompt_tuning_resumes_from_its_adapter_file_and_p_tuning_is_refused(tmp_path, tiny):
