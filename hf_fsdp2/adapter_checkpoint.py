@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .adapters import active_adapter, base_name, is_adapter_tensor
+from .adapters import active_adapter, base_name, untracked_trainable
 from .checkpoint import MODEL_KEY, load_in_place, model_dir, read_metadata, validate_checkpoint
 from .distributed import is_rank0, warn_rank0
 from .facts import facts_of
@@ -55,14 +55,13 @@ def check_trainable_are_saved(model: nn.Module) -> None:
     Raises:
         ValueError: when a trainable parameter is not part of any PEFT adapter's saved state.
     """
-    saved = {id(t) for adapter in facts_of(model).adapter_names for t in adapter_state(model, adapter).values()}
-    for name, param in model.named_parameters():
-        if param.requires_grad and id(param) not in saved:
-            raise ValueError(
-                f"{name} is trainable but not part of any PEFT adapter, so adapter-only checkpoints would lose "
-                "it. Train it through the adapter config (modules_to_save=[...] or trainable_token_indices) or "
-                "freeze it."
-            )
+    name = untracked_trainable(model)
+    if name is not None:
+        raise ValueError(
+            f"{name} is trainable but not part of any PEFT adapter, so adapter-only checkpoints would lose "
+            "it. Train it through the adapter config (modules_to_save=[...] or trainable_token_indices) or "
+            "freeze it."
+        )
 
 
 def full_copy(tensor: torch.Tensor) -> torch.Tensor:
@@ -110,10 +109,33 @@ def load_adapter(model: nn.Module, directory: str) -> None:
             )
         _warn_if_other_base(model, adapter, folder)
         stored = load_file(path)
-        live = adapter_state(model, adapter)
+        live = _loadable_state(model, adapter, folder)
         _check_matches(stored, live, folder)
         for key, tensor in live.items():
             copy_full_into(tensor, stored[key])
+
+
+def _loadable_state(model: nn.Module, adapter: str, folder: str) -> dict[str, torch.Tensor]:
+    """peft's file keys → the live tensors that loading the file fills (`adapter_state`'s, except for prompt learning).
+
+    peft saves a prompt-learning adapter as its encoder's output (`prompt_embeddings`), a computed tensor; it is
+    the encoder's embedding itself when the encoder has no projection (prompt tuning, prefix tuning without
+    `prefix_projection`), which is where peft loads it too.
+
+    Raises:
+        ValueError: for an encoder with a projection (p-tuning, prefix_projection=True), whose weights are not saved.
+    """
+    config = model.peft_config[adapter]
+    if not config.is_prompt_learning:
+        return adapter_state(model, adapter)
+    encoder = model.prompt_encoder[adapter]
+    if [name for name, _ in encoder.named_parameters()] != ["embedding.weight"]:
+        raise ValueError(
+            f"{folder} holds adapter {adapter!r} ({config.peft_type.value}) as peft saves it: the prompt its encoder "
+            "computes, not the encoder's weights, so training cannot resume from it. Train from the start, or use "
+            "prompt tuning or prefix tuning without prefix_projection, whose saved prompt is the trained embedding."
+        )
+    return {"prompt_embeddings": encoder.embedding.weight}
 
 
 def _load_adapter_from_model_state(model: nn.Module, checkpoint: str) -> None:
@@ -216,16 +238,16 @@ def merged_state(model: nn.Module, state: dict[str, torch.Tensor]) -> tuple[dict
     and other adapters' copies are left out; the active adapter's copies replace their originals.
     """
     adapter, layers = check_mergeable(model)
-    prefix = facts_of(model).adapter_prefix
+    facts = facts_of(model)
     export: dict[str, torch.Tensor] = {}
     sources: dict[str, str] = {}
     for name, tensor in state.items():
-        if is_adapter_tensor(name, prefix) or ".original_module." in name:
+        if facts.is_adapter(name) or ".original_module." in name:
             continue
         if ".modules_to_save." in name and f".modules_to_save.{adapter}." not in name:
             continue
-        export[base_name(name)] = tensor
-        sources[base_name(name)] = name
+        export[base_name(name, facts.base_root)] = tensor
+        sources[base_name(name, facts.base_root)] = name
 
     def merge(export_name: str, full: torch.Tensor) -> torch.Tensor:
         layer = layers.get(sources[export_name])

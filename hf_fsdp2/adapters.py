@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-_PEFT_ROOT = ("base_model", "model")
+_TUNER_ROOT = "base_model.model"  # where a tuner (LoRA, VeRA, ...) keeps the base model
 # Segments that peft inserts into a base tensor's name: tuner layers keep the base module as `base_layer`,
 # modules_to_save keep the original and one trained copy per adapter.
 _WRAPPER_SEGMENTS = ("base_layer", "original_module")
@@ -30,17 +30,100 @@ def is_peft_model(model: nn.Module) -> bool:
     return isinstance(model, PeftModel)
 
 
-def is_adapter_tensor(name: str, prefix: str | None) -> bool:
-    """True for an adapter's own tensor (e.g. `...q_proj.lora_A.default.weight`), which no base checkpoint holds."""
-    return prefix is not None and any(part.startswith(prefix) for part in name.split("."))
+def adapter_tensor_names(model: nn.Module) -> frozenset[str]:
+    """Every name (aliases included) of the tensors that are adapter state by peft's own account, so that no
+    method peft ships needs a case here: what `get_peft_model_state_dict` holds for some adapter (VeRA's shared
+    projections, DoRA's magnitudes), or what is not a tensor of `get_base_model()` (prompt encoders).
+
+    The trained copies of `modules_to_save` are left out: they start as copies of base weights, which the base
+    checkpoint holds under the original's name (see `base_name`).
+    """
+    saved, base = _saved_tensor_ids(model), {id(t) for _, t in _named_tensors(model.get_base_model())}
+    copies = {id(t) for _, t in _named_tensors(_copies_of_base(model))}
+    return frozenset(
+        name for name, t in _named_tensors(model) if (id(t) in saved or id(t) not in base) and id(t) not in copies
+    )
 
 
-def base_name(name: str) -> str:
+def untracked_trainable(model: nn.Module) -> str | None:
+    """The first trainable parameter that is in no adapter's state (adapter-only checkpoints would lose it), or None."""
+    saved, base = _saved_tensor_ids(model), {id(t) for _, t in _named_tensors(model.get_base_model())}
+    for name, param in model.named_parameters():
+        if param.requires_grad and id(param) not in saved and id(param) in base:
+            return name
+    return None
+
+
+def _saved_tensor_ids(model: nn.Module) -> set[int]:
+    """Identities of the live tensors that peft's state dict of each adapter holds.
+
+    Prompt-learning adapters are skipped: peft saves their encoder's output (computed, not a live tensor), and
+    the encoder is not part of the base model anyway.
+    """
+    from peft import get_peft_model_state_dict
+
+    state = model.state_dict(keep_vars=True)
+    return {
+        id(tensor)
+        for adapter, config in model.peft_config.items()
+        if not config.is_prompt_learning
+        for tensor in get_peft_model_state_dict(
+            model, state_dict=state, adapter_name=adapter, save_embedding_layers=False
+        ).values()
+    }
+
+
+def _named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Parameters and buffers (non-persistent ones too) under every name they have."""
+    return [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+
+
+def _copies_of_base(model: nn.Module) -> nn.Module:
+    """The trained copies that peft's `ModulesToSaveWrapper`s hold, as one module."""
+    from peft.utils import ModulesToSaveWrapper
+
+    return nn.ModuleList(m.modules_to_save for m in model.modules() if isinstance(m, ModulesToSaveWrapper))
+
+
+def prompt_encoders(model: nn.Module) -> list[nn.Module]:
+    """The prompt encoders of a PEFT model's prompt-learning adapters (prompt/prefix tuning, p-tuning)."""
+    if not is_peft_model(model):
+        return []
+    encoders = getattr(model, "prompt_encoder", {})
+    return [encoders[name] for name, config in model.peft_config.items() if config.is_prompt_learning]
+
+
+def base_root(model: nn.Module) -> str:
+    """Where `get_base_model()` sits in a PEFT model: `base_model.model` under a tuner, `base_model` for prompt
+    learning (which has no tuner wrapper)."""
+    base = model.get_base_model()
+    return next(name for name, module in model.named_modules() if module is base)
+
+
+def check_supported(model: nn.Module) -> None:
+    """Refuse PEFT methods whose training reads whole adapter matrices outside forward, which a rank never holds.
+
+    Raises:
+        ValueError: for AdaLoRA, naming why and what to use instead.
+    """
+    for adapter, config in model.peft_config.items():
+        if config.peft_type.value == "ADALORA":
+            raise ValueError(
+                f"adapter {adapter!r} is AdaLoRA, which hf_fsdp2 does not train: its orthogonal regulariser (added to "
+                "the loss in forward) and update_and_allocate (rank pruning after each step) read whole lora_A, lora_B "
+                "and lora_E matrices, but FSDP2 gives each rank a slice of them; and with several ranks Trainer would "
+                "count the regulariser once per rank. Use LoRA instead: LoraConfig(r=...), with use_rslora=True "
+                "(rsLoRA) or use_dora=True (DoRA) for a variant."
+            )
+
+
+def base_name(name: str, root: str = _TUNER_ROOT) -> str:
     """The base model's name for a PEFT model's base tensor: `base_model.model.x.q_proj.base_layer.weight` →
-    `x.q_proj.weight`; a modules_to_save copy maps to the original it was copied from."""
+    `x.q_proj.weight`; a modules_to_save copy maps to the original it was copied from. `root` is where the base
+    model sits (`base_root`)."""
     parts = name.split(".")
-    if tuple(parts[:2]) == _PEFT_ROOT:
-        parts = parts[2:]
+    if parts[: len(root.split("."))] == root.split("."):
+        parts = parts[len(root.split(".")) :]
     out: list[str] = []
     skip_next = False
     for part in parts:
@@ -57,7 +140,8 @@ def check_replayable(model: nn.Module) -> None:
     """Raise ValueError when the adapters' initial values depend on base weights a skeleton does not have.
 
     Raises:
-        ValueError: when an adapter uses DoRA or a weight-dependent `init_lora_weights` (PiSSA, OLoRA, ...).
+        ValueError: when an adapter uses DoRA, a weight-dependent `init_lora_weights` (PiSSA, OLoRA, ...) or prompt
+            tuning initialized from the vocabulary.
     """
     for adapter, config in model.peft_config.items():
         reason = _weight_dependent_init(config)
@@ -73,6 +157,9 @@ def _weight_dependent_init(config: Any) -> str | None:
     """Describe an adapter initialization computed from the base weights, or None."""
     if getattr(config, "use_dora", False):
         return "use_dora=True (its magnitude vector is the norm of the base weights)"
+    prompt_init = getattr(config, "prompt_tuning_init", "RANDOM")
+    if prompt_init != "RANDOM":
+        return f"prompt_tuning_init={str(getattr(prompt_init, 'value', prompt_init))!r} (copies embedding rows)"
     init = getattr(config, "init_lora_weights", True)
     if isinstance(init, str) and init.startswith(_WEIGHT_DEPENDENT_INITS):
         return f"init_lora_weights={init!r}"

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .adapters import is_peft_model
+from .adapters import adapter_tensor_names, base_root, is_peft_model
 from .branches import find_branches
 from .skeleton import PretrainedSource, first_meta_tensor, get_source, tie_groups
 
@@ -27,8 +27,9 @@ class ModelFacts:
 
     tie_groups: list[list[str]]
     num_params: int
-    # The tuner's parameter prefix (`lora_`) and adapter names of a PEFT model; None and [] otherwise.
-    adapter_prefix: str | None
+    # A PEFT model's adapter state by peft's own account (every name of each tensor: `adapters.adapter_tensor_names`)
+    # and its adapter names; None and [] for a model that is not a PeftModel.
+    adapter_tensors: frozenset[str] | None
     adapter_names: list[str]
     source: PretrainedSource | None
     # Modality branches (names) of a multimodal model and the language model they feed: see `branches`.
@@ -36,6 +37,8 @@ class ModelFacts:
     # Trainable parameters that sharding made float32 masters, with the dtype they were loaded in: exports
     # return to it, as save_pretrained of the model the user loaded would write it.
     upcast_from: dict[str, torch.dtype] = field(default_factory=dict)
+    # Where a PEFT model keeps its transformers model (`adapters.base_root`); "" for a plain model.
+    base_root: str = ""
     # Tensors the checkpoint lacks, initialized as from_pretrained would (filled in when each rank reads its
     # slices; on the rank-0 route from_pretrained itself reports them).
     missing: list[str] = field(default_factory=list)
@@ -43,7 +46,11 @@ class ModelFacts:
     @property
     def is_peft(self) -> bool:
         """True for a `peft.PeftModel`."""
-        return self.adapter_prefix is not None
+        return self.adapter_tensors is not None
+
+    def is_adapter(self, name: str) -> bool:
+        """True for a tensor of the PEFT adapters (which no base checkpoint holds), by any of its names."""
+        return self.adapter_tensors is not None and name in self.adapter_tensors
 
     @property
     def tie_map(self) -> dict[str, list[str]]:
@@ -57,10 +64,11 @@ class ModelFacts:
         return cls(
             tie_groups=tie_groups(model),
             num_params=len(list(model.parameters())),
-            adapter_prefix=model.base_model.prefix if peft else None,
+            adapter_tensors=adapter_tensor_names(model) if peft else None,
             adapter_names=list(model.peft_config) if peft else [],
             source=get_source(model),
             branches=find_branches(model),
+            base_root=base_root(model) if peft else "",
         )
 
     def verify(self, model: nn.Module) -> None:

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from .adapters import base_name, is_adapter_tensor, replay_adapters, replayed_adapter_values
+from .adapters import base_name, replay_adapters, replayed_adapter_values
 from .distributed import (
     broadcast_from_rank0,
     first_on_any_rank,
@@ -87,13 +87,13 @@ def plan_safetensors_load(model: nn.Module, checkpoint_shapes: dict[str, torch.S
     """
     plan = SafetensorsPlan()
     prefix = getattr(model, "base_model_prefix", "")
-    tuner = facts_of(model).adapter_prefix
+    facts = facts_of(model)
     for names in _tensor_names(model):
-        if is_adapter_tensor(names[0], tuner):
+        if facts.is_adapter(names[0]):
             plan.adapters.append(names[0])
             continue
         tensor = _get(model, names[0])
-        spellings = [base_name(n) for n in names] if tuner else names
+        spellings = [base_name(n, facts.base_root) for n in names] if facts.is_peft else names
         found = next((key for n in spellings for key in _candidates(n, prefix) if key in checkpoint_shapes), None)
         if found is None:
             plan.missing.append(names[0])
@@ -189,18 +189,21 @@ def initial_values(model: nn.Module, plan: SafetensorsPlan, state: torch.Tensor)
         values_loaded_into_skeleton(model)  # refuses any: a plain model's tensors all come from the checkpoint
         with rng_state(state):
             return init_missing(model, plan.missing)
-    source = facts.source
+    source, root = facts.source, facts.base_root
     kept = values_loaded_into_skeleton(model)
-    replay = [n for n in plan.adapters if _get(model, n).is_meta and n not in kept]
-    given = {n: kept.get(n, _get(model, n)).detach().cpu() for n in plan.adapters if n not in replay}
+    # Adapter buffers outside the state dict too (VeRA's projections with save_projection=False): no checkpoint
+    # holds them either, and peft computes them.
+    adapters = [*plan.adapters, *(n for n in _non_persistent_buffers(model) if facts.is_adapter(n))]
+    replay = [n for n in adapters if _get(model, n).is_meta and n not in kept]
+    given = {n: kept.get(n, _get(model, n)).detach().cpu() for n in adapters if n not in replay}
     with rng_state(state):
         # A PEFT model's base is initialized as the unwrapped model it was built from, then its adapters.
         pristine = build_skeleton(source.path, source.auto_class, source.kwargs)
-        base_values = init_missing(pristine, sorted({base_name(n) for n in plan.missing}))
+        base_values = init_missing(pristine, sorted({base_name(n, root) for n in plan.missing}))
         values = replayed_adapter_values(model, pristine, replay) if replay else {}
     for name, _ in [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]:
-        if base_name(name) in base_values and name not in plan.adapters:
-            values[name] = base_values[base_name(name)]
+        if base_name(name, root) in base_values and not facts.is_adapter(name):
+            values[name] = base_values[base_name(name, root)]
     # Adapters with values (e.g. loaded by PeftModel.from_pretrained) are rank 0's on every rank.
     values.update(broadcast_from_rank0(given) if given else {})
     return values
@@ -225,7 +228,7 @@ def values_loaded_into_skeleton(model: nn.Module) -> dict[str, torch.Tensor]:
         for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]
         if id(tensor) in by_id
     }
-    base = [name for name in values if not is_adapter_tensor(name, facts.adapter_prefix)]
+    base = [name for name in values if not facts.is_adapter(name)]
     if base:
         raise ValueError(
             f"{base[0]}: a value was loaded into the meta skeleton of hf_fsdp2.from_pretrained (load_state_dict); "
@@ -454,13 +457,36 @@ def load_pretrained(model: nn.Module, shard: ShardFn, offload: bool = False) -> 
         move_to_meta(model, facts.tie_groups)
         shard(model)
         materialize(model, offload)
-        set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        load_parameters_from_rank0(model, weights)
         copy_full_into_shards(model, buffers)
         del weights, buffers
         broadcast_buffers(model)
     facts.verify(model)
     loaded_values(unwrap_peft(model)).clear()  # now in the shards
     return model
+
+
+def load_parameters_from_rank0(model: nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """Fill every rank's parameter shards from rank 0's full `weights` (buffers are sent on their own).
+
+    Raises:
+        RuntimeError: naming a parameter that rank 0's state did not fill.
+    """
+    # NOTE: buffers and the further names of tied parameters are left out, and the load is not strict: torch's
+    # state dict names a tensor under several names once (VeRA's projections, one BufferDict referenced by every
+    # adapted layer; prompt learning's `word_embeddings`, the base's embedding module under a second name), and a
+    # strict load wanted the other names too (rank 1: "Missing key(s)"; rank 0 copied a full tensor into a shard).
+    # Buffers go out by broadcast_buffers; the ties share the first name's parameter; the rest is checked here.
+    aliases = {name for name, _ in model.named_buffers(remove_duplicate=False)}
+    aliases |= {name for names in facts_of(model).tie_groups for name in names[1:]}
+    weights = {name: tensor for name, tensor in weights.items() if name not in aliases}
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+    result = set_model_state_dict(model, weights, options=options)
+    unloaded = [name for name in result.missing_keys if name not in aliases]
+    if unloaded or result.unexpected_keys:
+        raise RuntimeError(
+            f"rank 0's weights do not fit the model: missing {unloaded[:3]}, unexpected {result.unexpected_keys[:3]}."
+        )
 
 
 Rank0State = tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]

@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
+from .adapters import check_supported
 from .branches import attach_branch_guard, branch_names
 from .collective_methods import attach_collective_methods
 from .config import FSDP2Config
@@ -76,6 +77,8 @@ def prepare_model(
         )
     _refuse_bitsandbytes(model)
     facts = describe(model, facts)
+    if facts.is_peft:
+        check_supported(model)
     mesh = build_mesh(config.hsdp_replicate_size)
     if config.base_quantization == "nf4" or (facts.source is not None and facts.source.quantization == "nf4"):
         quantize_base(model, mesh.size(mesh.ndim - 1))

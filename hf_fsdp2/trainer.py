@@ -71,7 +71,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from transformers.utils import logging as transformers_logging
 
 from .adapter_checkpoint import check_mergeable, check_trainable_are_saved, load_adapter, save_adapter
-from .adapters import is_adapter_tensor
+from .adapters import check_supported
 from .branches import guard_optimizer
 from .callbacks import ConsolidateCallback
 from .checkpoint import (
@@ -205,6 +205,7 @@ class FSDP2Mixin:
         """Check, then shard `model` and load its weights; remember parameter names to re-point an optimizer."""
         facts = facts_of(model) if isinstance(model, FSDPModule) else describe(model)
         if facts.is_peft:
+            check_supported(model)
             check_trainable_are_saved(model)
             if self.fsdp2_config.merge_adapters_on_save:
                 check_mergeable(model)
@@ -688,8 +689,8 @@ _SLICE_AWARE_TRAINERS = ("SFTTrainer",)
 
 def _base_model_bytes(model: nn.Module) -> int:
     """Bytes of the model's non-adapter parameters (global sizes), to put adapter checkpoints in proportion."""
-    prefix = facts_of(model).adapter_prefix
-    return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not is_adapter_tensor(n, prefix))
+    facts = facts_of(model)
+    return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not facts.is_adapter(n))
 
 
 def _folder_bytes(folder: str) -> int:

@@ -20,7 +20,7 @@ def test_facts_of_a_tied_skeleton(tiny):
     assert facts.tie_groups == [["model.embed_tokens.weight", "lm_head.weight"]]
     assert facts.tie_map == {"model.embed_tokens.weight": ["model.embed_tokens.weight", "lm_head.weight"]}
     assert facts.num_params == len(list(skeleton.parameters()))
-    assert not facts.is_peft and facts.adapter_names == [] and facts.adapter_prefix is None
+    assert not facts.is_peft and facts.adapter_names == [] and facts.adapter_tensors is None
     assert facts.source.path == tiny("llama_tied")
 
 
@@ -28,7 +28,9 @@ def test_facts_of_a_peft_model(tiny):
     peft = get_peft_model(from_pretrained(tiny("llama_tied")), LoraConfig(r=2, target_modules=["q_proj"]))
     peft.add_adapter("second", LoraConfig(r=2, target_modules=["v_proj"]))
     facts = ModelFacts.of(peft)
-    assert facts.is_peft and facts.adapter_prefix == "lora_"
+    assert facts.is_peft and facts.base_root == "base_model.model"
+    # Adapter state by peft's account: both adapters' LoRA matrices, nothing of the base.
+    assert len(facts.adapter_tensors) == 2 * 2 * 2 and all(".lora_" in name for name in facts.adapter_tensors)
     assert facts.adapter_names == ["default", "second"]
     assert facts.tie_groups == [["base_model.model.model.embed_tokens.weight", "base_model.model.lm_head.weight"]]
     assert facts.source.path == tiny("llama_tied"), "the skeleton's source is reached through the PEFT wrapper"
