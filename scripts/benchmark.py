@@ -35,6 +35,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "common"))
 from benchmark_report import emit_markdown, render_markdown, render_png, summarize  # noqa: E402
 from benchmark_runs import (  # noqa: E402
     ADAPTER_SYSTEMS,
@@ -45,7 +46,8 @@ from benchmark_runs import (  # noqa: E402
     run_training,
     warm_up,
 )
-from measure_load_memory import MIB, build_model  # noqa: E402
+from llama_model import build_model  # noqa: E402
+from peak_memory import MIB  # noqa: E402
 
 NOTES = {
     "hf_fsdp2": "FSDP2Trainer(model path, FSDP2Config(consolidate_on_train_end=False)): every rank reads its own "

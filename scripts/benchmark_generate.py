@@ -25,7 +25,8 @@ import subprocess
 import sys
 import time
 
-from measure_load_memory import allocated_peak, peak_bytes, reset_peak  # scripts/ is this script's import path
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "common"))
+from peak_memory import allocated_peak, peak_bytes, reset_peak  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

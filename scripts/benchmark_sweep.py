@@ -44,9 +44,10 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "common"))
 from benchmark_report import MIB, emit_markdown  # noqa: E402
 from benchmark_runs import CONSOLIDATES, NO_RESUME, read_through, run_consolidation, run_training, warm_up  # noqa: E402
-from measure_load_memory import build_model  # noqa: E402
+from llama_model import build_model  # noqa: E402
 
 # name: (layers, hidden); intermediate 8/3 hidden, one head per 64 channels (measure_load_memory.build_model).
 SIZES = {"100M": (12, 768), "400M": (24, 1152), "1.2B": (24, 2048)}

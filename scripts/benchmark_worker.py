@@ -9,11 +9,13 @@ import argparse
 import gc
 import json
 import os
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
-from measure_load_memory import vm_kib
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "common"))
+from peak_memory import vm_kib  # noqa: E402
 
 START_DIR_ENV = "HF_FSDP2_BENCHMARK_START_DIR"  # set by the launcher: where the ranks meet before the clock starts
 

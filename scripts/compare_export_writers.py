@@ -24,7 +24,9 @@ import subprocess
 import sys
 import time
 
-from measure_load_memory import build_model, vm_kib
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "common"))
+from llama_model import build_model  # noqa: E402
+from peak_memory import vm_kib  # noqa: E402
 
 MIB = 2**20
 SYSTEMS = ("hf_fsdp2", "dcp_hf_writer")

@@ -15,9 +15,10 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "common"))
 import benchmark  # noqa: E402
 import forked_ranks  # noqa: E402
-from measure_load_memory import build_model  # noqa: E402
+from llama_model import build_model  # noqa: E402
 
 
 def main() -> None:

@@ -48,7 +48,7 @@ from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
+sys.path[:0] = [HERE, os.path.join(HERE, "common")]
 
 # Dense bf16 peak FLOP/s by GPU name (SXM parts; the H200 has the H100's compute).
 PEAK_BF16 = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12, "B200": 2250e12}
@@ -517,7 +517,7 @@ def accelerate_trainer(spec: dict, data: Any, out: str, callbacks: list) -> Any:
 
 def memory_mark() -> float:
     """MiB at the high-water mark since the last reset: allocated GPU memory, or the resident set on the CPU."""
-    from measure_load_memory import peak_bytes
+    from peak_memory import peak_bytes
 
     return peak_bytes() / 2**20
 
@@ -526,7 +526,7 @@ def reset_memory_mark() -> float:
     """Reset the high-water mark; the MiB a peak is counted above (0 on a GPU: its peaks are absolute, as the
     planner's are; the resident set now on the CPU, where the process's own libraries are not the run's)."""
     import torch
-    from measure_load_memory import reset_peak
+    from peak_memory import reset_peak
 
     if torch.cuda.is_available():
         torch.cuda.synchronize()

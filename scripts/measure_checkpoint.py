@@ -20,9 +20,11 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "common"))
 from benchmark_worker import consolidate_worker as timed_consolidation  # noqa: E402
 from benchmark_worker import folder_bytes
-from measure_load_memory import MIB, build_model, vm_kib  # noqa: E402
+from llama_model import build_model  # noqa: E402
+from peak_memory import MIB, vm_kib  # noqa: E402
 
 
 def train_worker(args: argparse.Namespace) -> None:

@@ -18,7 +18,8 @@ import os
 import subprocess
 import sys
 
-from measure_load_memory import vm_kib  # scripts/ is this script's import path
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "common"))
+from peak_memory import vm_kib  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -26,7 +26,8 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from measure_load_memory import build_model  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "common"))
+from llama_model import build_model  # noqa: E402
 
 SYSTEMS = ("hf_fsdp2", "transformers_fsdp2")
 MODES = ("zero", "truncate")

@@ -18,84 +18,9 @@ import subprocess
 import sys
 import time
 
-MIB = 2**20
-
-
-def vm_kib(field: str) -> int:
-    """Read a VmXXX field (KiB) of this process from /proc."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def reset_peak() -> int:
-    """Bytes resident now, with the high-water mark reset to now (GPU: allocated; CPU: /proc/self/clear_refs 5)."""
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
-        return torch.cuda.memory_allocated()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return vm_kib("VmRSS") * 1024
-
-
-def peak_bytes() -> int:
-    """The high-water mark since the last `reset_peak` (GPU: max allocated; CPU: VmHWM)."""
-    import torch
-
-    return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else vm_kib("VmHWM") * 1024
-
-
-def allocated_peak(fn) -> int:
-    """The most bytes torch's allocator held above the start while `fn()` ran (GPU: max allocated; CPU: the torch
-    profiler's allocation events), so freed buffers the C library keeps do not count as they do in VmHWM."""
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        fn()
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - before
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    # The kineto events keep every allocation and free in time order; prof.events() attributes allocations to ops.
-    changes = sorted(
-        (e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
-    )
-    held = peak = 0
-    for _, nbytes in changes:
-        held += nbytes
-        peak = max(peak, held)
-    return peak
-
-
-def build_model(path: str, layers: int, hidden: int = 768, vocab: int = 16000, tied: bool = False) -> int:
-    """Save a Llama (fp32; 12 layers of 768 = ~100M parameters) under `path` once; return its size in bytes."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=hidden * 8 // 3,
-        num_hidden_layers=layers,
-        num_attention_heads=max(hidden // 64, 1),
-        num_key_value_heads=max(hidden // 64, 1),
-        tie_word_embeddings=tied,
-    )
-    if not os.path.exists(os.path.join(path, "config.json")):
-        torch.manual_seed(0)
-        LlamaForCausalLM(config).save_pretrained(path)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "common"))
+from llama_model import build_model  # noqa: E402
+from peak_memory import MIB, vm_kib  # noqa: E402
 
 
 def worker(args: argparse.Namespace) -> None:

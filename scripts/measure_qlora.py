@@ -19,7 +19,8 @@ import subprocess
 import sys
 import time
 
-from measure_load_memory import vm_kib  # scripts/ is this script's import path
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "common"))
+from peak_memory import vm_kib  # noqa: E402
 
 SIZES = {  # hidden, intermediate, layers, heads, kv heads, vocab
     "small": (512, 1024, 4, 8, 4, 8000),

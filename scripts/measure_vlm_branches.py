@@ -20,7 +20,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from measure_load_memory import MIB, vm_kib  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "common"))
+from peak_memory import MIB, vm_kib  # noqa: E402
 
 IMAGE, PATCH = 64, 8  # 64 patches per image
 

@@ -22,7 +22,9 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from measure_load_memory import MIB, build_model, vm_kib  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "common"))
+from llama_model import build_model  # noqa: E402
+from peak_memory import MIB, vm_kib  # noqa: E402
 
 SIZES = {"small": (6, 512), "medium": (12, 768)}  # layers, hidden (vocab 16000): ~30M and ~100M parameters
 # A Qwen3-MoE (8 experts, top-2, fused experts on torch's grouped_mm) of 6 layers of 512: ~60M parameters.

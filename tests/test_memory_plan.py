@@ -253,12 +253,14 @@ def test_planned_load_and_training_peaks_match_a_real_two_rank_run(tmp_path):
     import sys
 
     scripts = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
-    sys.path.insert(0, scripts)
+    folders = [scripts, os.path.join(scripts, "common")]
+    sys.path[:0] = folders
     try:
         import validate_plan
-        from measure_load_memory import build_model
+        from llama_model import build_model
     finally:
-        sys.path.remove(scripts)
+        for folder in folders:
+            sys.path.remove(folder)
     path = str(tmp_path / "llama-small")
     build_model(path, 6, hidden=512)
     args = validate_plan.parse_args(["--workdir", str(tmp_path), "--batch", "4", "--seq", "256", "--steps", "2"])
