@@ -1,6 +1,6 @@
 """mkdocs hook: pages link the repository's own files (scripts, their results, the package's modules) with paths
-that work on GitHub (`../scripts/benchmark.py` from `docs/performance.md`); the site gets copies of those files and
-the links are pointed at them, so `mkdocs build --strict` checks that every linked file exists.
+that work on GitHub (`../scripts/benchmark/benchmark.py` from `docs/performance.md`); the site gets copies of those
+files and the links are pointed at them, so `mkdocs build --strict` checks that every linked file exists.
 
 Not a page of the site: `exclude_docs` in mkdocs.yml leaves it out.
 """

@@ -286,9 +286,9 @@ def write_parts(
             )
             for folder, state in parts
         ]
-    # NOTE: one part's writes and fsyncs overlap the other's (scripts/measure_save_parts.py: 100M Llama, 2 CPU ranks,
-    # 6 interleaved repeats, medians: 1.22 s one after the other, 1.08 s at once; FileSystemWriter(thread_count=2)
-    # one after the other: 1.32 s).
+    # NOTE: one part's writes and fsyncs overlap the other's (scripts/measure/measure_save_parts.py: 100M Llama,
+    # 2 CPU ranks, 6 interleaved repeats, medians: 1.22 s one after the other, 1.08 s at once;
+    # FileSystemWriter(thread_count=2) one after the other: 1.32 s).
     run_at_once(
         [
             functools.partial(dcp.save, state, storage_writer=writers[folder], process_group=savers.groups[folder])

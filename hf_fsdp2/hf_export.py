@@ -6,7 +6,7 @@ name and renamed when complete. Knows nothing about DCP or sharding: tensors com
 
 NOTE: why hand-written: `safetensors.torch.save_file` needs the whole state in memory, and torch DCP's
 `HuggingFaceStorageWriter(save_distributed=True, enable_consolidation=True)` has rank 0 hold every tensor
-while it consolidates. Measured by scripts/compare_export_writers.py (110M Llama, 2 CPU ranks, 2 runs):
+while it consolidates. Measured by scripts/measure/compare_export_writers.py (110M Llama, 2 CPU ranks, 2 runs):
 this writer 1.20 s and 149 MiB peak (0.36x model) on the worst rank, DCP's 1.72 s and 418 MiB (1.00x);
 identical weights. The shard plan and index are huggingface_hub's (`plan_files`).
 """

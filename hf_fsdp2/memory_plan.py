@@ -14,7 +14,7 @@ from what this pipeline does in each phase:
 - offline consolidation: one process, about twice the largest tensor.
 On a machine without accelerators each rank's process runtime (libraries paged in, the process group) is
 added as measured, and from training on the all-gather buffers kept between steps (`comm_buffers`). Figures are
-validated against measurement by `scripts/validate_plan.py`.
+validated against measurement by `scripts/measure/validate_plan.py`.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ OPTIMIZER_STATES = {"adamw_torch": 2, "adamw_torch_fused": 2, "adamw_hf": 2, "sg
 _STEP_TEMPORARIES = {"adamw_torch": 1, "adamw_torch_fused": 0, "adamw_hf": 1, "sgd": 0, "adagrad": 1, "rmsprop": 1}
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 # What a rank's resident set grows by, above the after-import baseline, beyond the tensors: library code paged
-# in on first use, the process group, DCP planning. Measured with scripts/validate_plan.py's worker on an 8 MiB
+# in on first use, the process group, DCP planning. Measured with scripts/measure/validate_plan.py's worker on an 8 MiB
 # Llama (1 layer, hidden 64) on this project's CPU machine: 18-23 MiB after loading at 1, 2 and 4 ranks.
 # A GPU's own fixed cost (the CUDA context) is outside torch's allocated memory and is not counted.
 CPU_RUNTIME_BYTES = 18 * 2**20
@@ -593,7 +593,8 @@ def format_plan(result: MemoryPlan) -> str:
         lines += [
             "",
             f"Activations could not be traced ({result.not_traced}): the training figures leave them out, so they",
-            "are lower bounds and no alternatives are planned. Measure a short run instead (scripts/validate_plan.py).",
+            "are lower bounds and no alternatives are planned. Measure a short run instead",
+            "(scripts/measure/validate_plan.py).",
         ]
         verdict = "would fit before activations" if result.fits else "does NOT fit even before activations"
     lines += ["", f"Training peak {_gib(result.training_peak)} per rank {verdict} in {_gib(result.device_memory)}."]

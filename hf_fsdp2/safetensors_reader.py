@@ -3,14 +3,14 @@ reads straight into its shard.
 
 torch's reader slices through a memory map, and every page it touches counts in the process's resident
 memory until the file is closed; with the slice copy on top, a rank peaked at ~1.2x the model size
-(measured: scripts/measure_load_memory.py). Reading the bytes of a row range with `os.preadv` into the
+(measured: scripts/measure/measure_load_memory.py). Reading the bytes of a row range with `os.preadv` into the
 destination keeps the peak at the shard plus at most one tensor's slice. It keeps torch's metadata and
 planning; it knows nothing about models.
 
 Rows that need converting (a bf16 checkpoint into fp32 masters, or rows bound for an accelerator) go through one
 reused host buffer of at most STAGING_BYTES (pinned for an accelerator), a chunk of rows at a time.
 
-NOTE: re-measured against the libraries (scripts/measure_load_memory.py, 2 CPU ranks, 110M Llama,
+NOTE: re-measured against the libraries (scripts/measure/measure_load_memory.py, 2 CPU ranks, 110M Llama,
 torch 2.13, safetensors 0.8; two runs each): this reader 226 MiB = 0.54x per rank; torch's reader
 unchanged 492/513 MiB = 1.18x/1.23x; safetensors' `safe_open(..., backend="pread")` with
 `get_slice(name)[rows]` copied into the shard loads the same weights but peaks at 249 MiB = 0.60x, because

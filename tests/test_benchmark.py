@@ -1,4 +1,4 @@
-"""`scripts/benchmark.py` keeps working: every system runs on a tiny model, they train the same, and the
+"""`scripts/benchmark/benchmark.py` keeps working: every system runs on a tiny model, they train the same, and the
 tables, JSON and PNG come out. No timing is asserted; the pure report logic is checked on fixed numbers."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import pytest
 
 from tests.launch import ROOT
 
-SCRIPTS = os.path.join(ROOT, "scripts")
-sys.path.insert(0, SCRIPTS)
+SCRIPTS = os.path.join(ROOT, "scripts", "benchmark")
+sys.path[:0] = [SCRIPTS, os.path.join(ROOT, "scripts", "measure")]  # measure_file_rewrite, at the end
 
 from benchmark import SYSTEMS  # noqa: E402
 from benchmark_report import render_markdown, summarize  # noqa: E402
@@ -239,7 +239,7 @@ def docs_block(name: str) -> str:
 
 def test_docs_performance_tables_are_the_committed_measurement():
     """The performance page's benchmark tables are rendered from scripts/results/benchmark_quick.json, never typed:
-    re-render with `python scripts/benchmark.py --from-json scripts/results/benchmark_quick.json`."""
+    re-render with `python scripts/benchmark/benchmark.py --from-json scripts/results/benchmark_quick.json`."""
     with open(os.path.join(ROOT, "scripts", "results", "benchmark_quick.json")) as f:
         summary = json.load(f)["summary"]
     block = docs_block("benchmark")
@@ -248,7 +248,8 @@ def test_docs_performance_tables_are_the_committed_measurement():
 
 def test_docs_long_context_table_is_the_committed_measurement():
     """The performance page's sequence-parallelism table is rendered from scripts/results/long_context.json, never
-    typed: re-render with `python scripts/benchmark.py --long-context --from-json scripts/results/long_context.json`."""
+    typed: re-render with
+    `python scripts/benchmark/benchmark.py --long-context --from-json scripts/results/long_context.json`."""
     from benchmark_long_context import render_markdown as render_long_context
 
     with open(os.path.join(ROOT, "scripts", "results", "long_context.json")) as f:
@@ -352,7 +353,7 @@ def test_sweep_runs_a_tiny_size_end_to_end(tmp_path):
 
 def test_docs_size_sweep_table_is_the_committed_measurement():
     """The performance page's size-sweep table is rendered from scripts/results/sweep.json, never typed: re-render with
-    `python scripts/benchmark.py --sweep --from-json scripts/results/sweep.json`."""
+    `python scripts/benchmark/benchmark.py --sweep --from-json scripts/results/sweep.json`."""
     from benchmark_sweep import render_markdown as render_sweep
 
     with open(os.path.join(ROOT, "scripts", "results", "sweep.json")) as f:
@@ -364,7 +365,8 @@ def test_docs_size_sweep_table_is_the_committed_measurement():
 @pytest.mark.parametrize("name", ["sweep", "sweep_repeat", "sweep_store", "sweep_small"])
 def test_docs_sweep_ratios_are_the_committed_sweeps(name):
     """Each sweep's row of ratios on the performance page (hf_fsdp2 against its peer per phase, per size) is what its
-    JSON holds: `python scripts/benchmark.py --sweep --from-json scripts/results/NAME.json` prints the same seconds."""
+    JSON holds: `python scripts/benchmark/benchmark.py --sweep --from-json scripts/results/NAME.json` prints the same
+    seconds."""
     from benchmark_sweep import PEERS
     from benchmark_sweep import render_markdown as render_sweep
 
@@ -382,9 +384,9 @@ def test_docs_sweep_ratios_are_the_committed_sweeps(name):
 
 def test_a_checkpoint_rewritten_in_place_reaches_every_weight_of_transformers_native_fsdp2():
     """The safety step the performance page gives for our load time, measured on the peer
-    (scripts/measure_file_rewrite.py): native FSDP2 leaves weights as private maps of the file, so zeroing its bytes in
-    place zeroes every weight; ours copies the rows (tests/test_loading_distributed.py pins that). The script's other
-    rewrite (the file cut short: SIGBUS) is left to it: another 2-rank launch."""
+    (scripts/measure/measure_file_rewrite.py): native FSDP2 leaves weights as private maps of the file, so zeroing its
+    bytes in place zeroes every weight; ours copies the rows (tests/test_loading_distributed.py pins that). The
+    script's other rewrite (the file cut short: SIGBUS) is left to it: another 2-rank launch."""
     from measure_file_rewrite import main
 
     args = ["--layers", "1", "--hidden", "64", "--vocab", "256", "--systems", "transformers_fsdp2", "--modes", "zero"]

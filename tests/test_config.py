@@ -98,7 +98,7 @@ def test_docs_configuration_reference_is_generated_from_the_dataclass():
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    script = os.path.join(root, "scripts", "config_reference.py")
+    script = os.path.join(root, "scripts", "docs", "config_reference.py")
     proc = subprocess.run(
         [sys.executable, script, "--check", os.path.join(root, "docs", "reference", "config.md")],
         capture_output=True,

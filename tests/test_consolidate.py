@@ -48,7 +48,7 @@ def test_end_of_training_folder_reloads_with_equal_logits(trained):
 
 
 # What the consolidation command must not import: together they took ~4.5 s of its ~7.5 s at 100M on 2 cores, when
-# `accelerate merge-weights` needed 5 s in all (scripts/benchmark.py's "consolidation command" row).
+# `accelerate merge-weights` needed 5 s in all (scripts/benchmark/benchmark.py's "consolidation command" row).
 HEAVY_IMPORTS = ("transformers.modeling_utils", "transformers.trainer", "peft", "datasets", "accelerate", "torchao")
 
 

@@ -1,5 +1,5 @@
-"""scripts/gpu_check.py rehearsed on the CPU: every part of the GPU check runs at tiny sizes through the same code,
-so the script a lent GPU gets cannot rot between loans; and the README's GPU table is its committed result."""
+"""scripts/measure/gpu_check.py rehearsed on the CPU: every part of the GPU check runs at tiny sizes through the same
+code, so the script a lent GPU gets cannot rot between loans; and the docs' GPU table is its committed result."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 
 from tests.launch import ROOT
 
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
+sys.path.insert(0, os.path.join(ROOT, "scripts", "measure"))
 import gpu_check  # noqa: E402
 
 
@@ -20,7 +20,8 @@ import gpu_check  # noqa: E402
 def dry_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """One whole dry run (about 40 s on 2 CPU cores: its workers are forked from one that imported once)."""
     work = tmp_path_factory.mktemp("gpu_check")
-    command = [sys.executable, os.path.join(ROOT, "scripts", "gpu_check.py"), "--dry-run", "--workdir", str(work)]
+    script = os.path.join(ROOT, "scripts", "measure", "gpu_check.py")
+    command = [sys.executable, script, "--dry-run", "--workdir", str(work)]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(work / "gpu_dry_run.json") as f:
@@ -72,7 +73,7 @@ def test_a_part_that_would_not_fit_the_budget_is_skipped_and_says_so(tmp_path, m
 
 def test_docs_gpu_table_is_the_committed_h100_run():
     """docs/performance.md's GPU tables are rendered from scripts/results/gpu_h100.json, never typed: re-render
-    with `python scripts/gpu_check.py --from-json scripts/results/gpu_h100.json`."""
+    with `python scripts/measure/gpu_check.py --from-json scripts/results/gpu_h100.json`."""
     with open(os.path.join(ROOT, "scripts", "results", "gpu_h100.json")) as f:
         results = json.load(f)
     with open(os.path.join(ROOT, "docs", "performance.md")) as f:

@@ -253,7 +253,7 @@ def test_planned_load_and_training_peaks_match_a_real_two_rank_run(tmp_path):
     import sys
 
     scripts = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
-    folders = [scripts, os.path.join(scripts, "common")]
+    folders = [os.path.join(scripts, "measure"), os.path.join(scripts, "common")]
     sys.path[:0] = folders
     try:
         import validate_plan

@@ -131,26 +131,33 @@ def test_readme_is_a_front_door():
 
 
 def test_scripts_readme_lists_every_script():
-    """scripts/README.md gives each script one line."""
-    with open(os.path.join(ROOT, "scripts", "README.md")) as f:
-        listed = f.read()
-    scripts = [n for n in os.listdir(os.path.join(ROOT, "scripts")) if n.endswith((".py", ".sh"))]
-    assert not [n for n in scripts if f"| `{n}` |" not in listed]
+    """scripts/README.md gives each script one line, by its path under scripts/ (`benchmark/benchmark.py`), and
+    lists no script that is gone."""
+    folder = os.path.join(ROOT, "scripts")
+    with open(os.path.join(folder, "README.md")) as f:
+        listed = set(re.findall(r"^\| `([\w/]+\.(?:py|sh))` \|", f.read(), re.M))
+    scripts = {
+        os.path.relpath(os.path.join(where, name), folder)
+        for where, _, names in os.walk(folder)
+        for name in names
+        if name.endswith((".py", ".sh"))
+    }
+    assert scripts == listed, (sorted(scripts - listed), sorted(listed - scripts))
 
 
 def test_cli_reference_page_is_what_the_parser_prints():
-    """docs/reference/cli.md is generated: regenerate with `python scripts/cli_reference.py`."""
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    """docs/reference/cli.md is generated: regenerate with `python scripts/docs/cli_reference.py`."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts", "docs"))
     from cli_reference import PAGE, render_page
 
     with open(PAGE) as f:
-        assert f.read() == render_page(), "stale: run python scripts/cli_reference.py"
+        assert f.read() == render_page(), "stale: run python scripts/docs/cli_reference.py"
 
 
 def test_configuration_reference_groups_every_field_and_is_current():
     """docs/reference/config.md shows every FSDP2Config field in its group: regenerate with
-    `python scripts/config_reference.py --write docs/reference/config.md`."""
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    `python scripts/docs/config_reference.py --write docs/reference/config.md`."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts", "docs"))
     from config_reference import page_tables, reference_tables
 
     assert page_tables(os.path.join(DOCS, "reference", "config.md")) == reference_tables()
@@ -321,9 +328,10 @@ def test_long_context_recipe_runs_as_written_with_rows_split_across_ranks(worksp
 
 
 def test_plan_example_is_what_the_planner_prints():
-    """The plan page's example is the planner's output, not typed: regenerate with scripts/readme_plan_example.py."""
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    """The plan page's example is the planner's output, not typed: regenerate with
+    scripts/docs/readme_plan_example.py."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts", "docs"))
     from readme_plan_example import current_block
 
     match, printed = current_block(PLAN_PAGE)
-    assert match[3] == printed, "stale: run python scripts/readme_plan_example.py"
+    assert match[3] == printed, "stale: run python scripts/docs/readme_plan_example.py"

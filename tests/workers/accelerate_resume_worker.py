@@ -20,9 +20,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from transformers import AutoModelForCausalLM, TrainingArguments
 
-sys.path.insert(
-    0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "scripts")
-)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "scripts", "benchmark"))
 from benchmark_systems import AccelerateFSDP2Trainer  # noqa: E402
 
 from hf_fsdp2 import FSDP2Config, FSDP2Trainer  # noqa: E402

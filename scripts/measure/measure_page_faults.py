@@ -13,7 +13,7 @@ Reads SIZE bytes of a file (cached: read once first) six ways, in one process, a
 The README's Performance section quotes these figures for the load-time gap against transformers' native FSDP2.
 
 Usage:
-    python scripts/measure_page_faults.py [--mib 800] [--repeats 3] [--json out.json]
+    python scripts/measure/measure_page_faults.py [--mib 800] [--repeats 3] [--json out.json]
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ an unused branch, an evaluation-only run. Two rewrites, each on a fresh copy of 
             of a mapped file kills the process (SIGBUS)
 
 Usage:
-    python scripts/measure_file_rewrite.py [--layers 4] [--hidden 256] [--modes zero,truncate] [--json out.json]
+    python scripts/measure/measure_file_rewrite.py [--layers 4] [--hidden 256] [--modes zero,truncate] [--json out.json]
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import subprocess
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "common"))
+SCRIPTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(SCRIPTS, "common"))
 from llama_model import build_model  # noqa: E402
 
 SYSTEMS = ("hf_fsdp2", "transformers_fsdp2")

@@ -5,8 +5,8 @@ load dtype, `qlora` on a 4-bit NF4 base (BitsAndBytesConfig -> torchao NF4). Pea
 `torch.cuda.max_memory_allocated` on a GPU, VmHWM above the after-import baseline on the CPU.
 
 Usage:
-    python scripts/measure_qlora.py                                  # a small Llama on this CPU, 2 ranks
-    python scripts/measure_qlora.py --size 1b --nproc 1 --bf16 --seq 2048 --batch 4 --json qlora_gpu.json
+    python scripts/measure/measure_qlora.py                                  # a small Llama on this CPU, 2 ranks
+    python scripts/measure/measure_qlora.py --size 1b --nproc 1 --bf16 --seq 2048 --batch 4 --json qlora_gpu.json
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "common"))
+SCRIPTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(SCRIPTS, "common"))
 from peak_memory import vm_kib  # noqa: E402
 
 SIZES = {  # hidden, intermediate, layers, heads, kv heads, vocab

@@ -1,7 +1,7 @@
 """Peak host RAM of each rank while FSDP2Trainer builds and loads a ~100M-parameter model.
 
 Usage (CPU, 2 ranks; builds the model once under --workdir):
-    python scripts/measure_load_memory.py --nproc 2 [--route path|rank0|lora] [--json out.json]
+    python scripts/measure/measure_load_memory.py --nproc 2 [--route path|rank0|lora] [--json out.json]
 
 For every rank it reports VmHWM (peak resident set) above the VmHWM measured right after imports,
 against the model's size in bytes. 'path' is the default route (each rank reads its own slices of the
@@ -18,7 +18,8 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "common"))
+SCRIPTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(SCRIPTS, "common"))
 from llama_model import build_model  # noqa: E402
 from peak_memory import MIB, vm_kib  # noqa: E402
 

@@ -1,6 +1,6 @@
-"""Check that the benchmark's forked ranks measure what fresh processes measure (scripts/forked_ranks.py).
+"""Check that the benchmark's forked ranks measure what fresh processes measure (scripts/benchmark/forked_ranks.py).
 
-    python scripts/compare_forked_ranks.py [--systems hf_fsdp2,transformers_fsdp2] [--pairs 4]
+    python scripts/benchmark/compare_forked_ranks.py [--systems hf_fsdp2,transformers_fsdp2] [--pairs 4]
 
 Runs the quick benchmark's training run of each system (`--quick` settings: load, 4 steps, saves, resume) as
 interleaved pairs, forked then fresh (BENCHMARK_FRESH_PROCESSES=1), and prints per run the slowest rank's load
@@ -14,8 +14,8 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "common"))
+SCRIPTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.join(SCRIPTS, "benchmark"), os.path.join(SCRIPTS, "common")]
 import benchmark  # noqa: E402
 import forked_ranks  # noqa: E402
 from llama_model import build_model  # noqa: E402

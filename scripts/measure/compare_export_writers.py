@@ -1,6 +1,6 @@
 """Export a live sharded model to a Hugging Face folder two ways, side by side: time and peak host RAM.
 
-    python scripts/compare_export_writers.py [--nproc 2] [--layers 12] [--repeats 2] [--json out.json]
+    python scripts/measure/compare_export_writers.py [--nproc 2] [--layers 12] [--repeats 2] [--json out.json]
 
 - `hf_fsdp2`: `FSDP2Trainer.save_model` — every tensor is gathered in turn and rank 0 streams it into
   safetensors files (one tensor in flight; the shard plan is huggingface_hub's).
@@ -24,7 +24,8 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "common"))
+SCRIPTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(SCRIPTS, "common"))
 from llama_model import build_model  # noqa: E402
 from peak_memory import vm_kib  # noqa: E402
 

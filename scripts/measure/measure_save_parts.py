@@ -10,7 +10,7 @@ Each way runs `--repeats` times, interleaved; the table gives rank 0's seconds (
 Sync save and Async save bullets quote it.
 
 Usage:
-    python scripts/measure_save_parts.py [--repeats 6] [--workdir /tmp/hf_fsdp2_save_parts]
+    python scripts/measure/measure_save_parts.py [--repeats 6] [--workdir /tmp/hf_fsdp2_save_parts]
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import sys
 import time
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "common"))
+SCRIPTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(SCRIPTS, "common"))
 from llama_model import build_model  # noqa: E402
 
 

@@ -1,9 +1,9 @@
 """The GPU check: everything we publish about GPUs, measured in one command on one lent GPU, most important first.
 
-    python scripts/gpu_check.py --wheels .whl --json $OUT/gpu.json      # on a lent GPU (about 8 min)
-    python scripts/gpu_check.py --dry-run                                # the same code on the CPU, tiny sizes
-    python scripts/gpu_check.py --from-json scripts/results/gpu_h100.json   # print the README table again
-    python scripts/gpu_check.py --fetch-wheels .whl                      # here: the wheels a bare GPU image lacks
+    python scripts/measure/gpu_check.py --wheels .whl --json $OUT/gpu.json   # on a lent GPU (about 8 min)
+    python scripts/measure/gpu_check.py --dry-run                            # the same code on the CPU, tiny sizes
+    python scripts/measure/gpu_check.py --from-json scripts/results/gpu_h100.json   # print the docs table again
+    python scripts/measure/gpu_check.py --fetch-wheels .whl          # here: the wheels a bare GPU image lacks
 
 Parts, in the order they run (seconds each took on one H100 on 2026-11-27, imports included; the driver's
 estimates):
@@ -46,9 +46,11 @@ import time
 import traceback
 from typing import Any
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path[:0] = [HERE, os.path.join(HERE, "common")]
+SCRIPTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(SCRIPTS)
+# The benchmark's systems, worker helpers and forked ranks, and the shared memory readings (imported by bare name).
+IMPORTS = [os.path.join(SCRIPTS, "benchmark"), os.path.join(SCRIPTS, "common")]
+sys.path[:0] = IMPORTS
 
 # Dense bf16 peak FLOP/s by GPU name (SXM parts; the H200 has the H100's compute).
 PEAK_BF16 = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12, "B200": 2250e12}
@@ -213,13 +215,13 @@ def default_json(args: argparse.Namespace, environment: dict) -> str:
         return os.path.join(args.workdir, "gpu_dry_run.json")
     name = environment.get("device_name", "unknown")
     slug = next((key.lower() for key in PEAK_BF16 if key in name), "".join(c for c in name.lower() if c.isalnum()))
-    return os.path.join(HERE, "results", f"gpu_{slug}.json")
+    return os.path.join(SCRIPTS, "results", f"gpu_{slug}.json")
 
 
 def worker_env(args: argparse.Namespace) -> dict[str, str]:
     """The workers' environment: this checkout (and the installed wheels) first on the path."""
     path = [os.path.join(args.workdir, "site")] if args.wheels else []
-    path += [ROOT, HERE, os.environ.get("PYTHONPATH", "")]
+    path += [ROOT, *IMPORTS, os.environ.get("PYTHONPATH", "")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p), "TOKENIZERS_PARALLELISM": "false"}
     env |= {"HF_HUB_OFFLINE": "1", "GPU_CHECK_WORKDIR": args.workdir, "GPU_CHECK_DRY_RUN": str(int(args.dry_run))}
     if args.dry_run:
@@ -287,7 +289,7 @@ def launch(system: str, jobs: str, env: dict, log: str, timeout: float) -> None:
     """One worker process: plain Trainer as a plain process, the FSDP2 systems as rank 0 of a world of one.
 
     On the CPU rehearsal it is forked from a process that imported torch, transformers and the systems once
-    (scripts/forked_ranks.py: 13 fresh workers spent about half of the dry run importing); on a GPU it starts
+    (scripts/benchmark/forked_ranks.py: 13 fresh workers spent about half of the dry run importing); on a GPU it starts
     fresh, as a process that touched the GPU cannot be forked.
     """
     import forked_ranks
@@ -375,7 +377,7 @@ def worker(jobs_path: str) -> None:
         print(f"[gpu_check] {spec['part']}: {spec['name']} done in {record['seconds']} s", flush=True)
     import torch.distributed as dist
 
-    if dist.is_initialized():  # a forked worker's exit runs no atexit handlers (scripts/forked_ranks.py)
+    if dist.is_initialized():  # a forked worker's exit runs no atexit handlers (scripts/benchmark/forked_ranks.py)
         dist.destroy_process_group()
 
 
@@ -756,7 +758,7 @@ def render_markdown(results: dict) -> str:
     took = " + ".join(f"{(seconds or 0) / 60:.1f}" for seconds in calls)
     lines = [
         f"Measured on {env.get('device_name', '?')} ({env.get('date', '?')}; torch {env.get('torch')}, "
-        f"transformers {env.get('transformers')}) with `python scripts/gpu_check.py`: {took} min"
+        f"transformers {env.get('transformers')}) with `python scripts/measure/gpu_check.py`: {took} min"
         + (f" in {len(calls)} calls (the later ones with `--keep`)." if len(calls) > 1 else "."),
         "",
         "| part | status | seconds | call |",

@@ -10,8 +10,8 @@ compared with, and the rise of the resident high-water mark during the timed cal
 what the C library holds of freed buffers).
 
 Usage:
-    python scripts/benchmark_generate.py                     # 8 x 512 Llama, 2 ranks, batch 8, 32 new tokens
-    python scripts/benchmark_generate.py --json gen.json
+    python scripts/benchmark/benchmark_generate.py                     # 8 x 512 Llama, 2 ranks, batch 8, 32 new tokens
+    python scripts/benchmark/benchmark_generate.py --json gen.json
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "common"))
+SCRIPTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(SCRIPTS, "common"))
 from peak_memory import allocated_peak, peak_bytes, reset_peak  # noqa: E402
 
 

@@ -9,8 +9,8 @@ state made at the first step. tokens/s counts every rank's tokens over the steps
 use the same loss_chunk_size.
 
 Usage:
-    python scripts/benchmark.py --long-context                        # 2 CPU ranks, rows of 8k..32k tokens
-    python scripts/benchmark_long_context.py --seqs 4096,8192 --budget-mib 600 --json lc.json --png lc.png
+    python scripts/benchmark/benchmark.py --long-context                        # 2 CPU ranks, rows of 8k..32k tokens
+    python scripts/benchmark/benchmark_long_context.py --seqs 4096,8192 --budget-mib 600 --json lc.json --png lc.png
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "common"))
+SCRIPTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(SCRIPTS, "common"))
 from peak_memory import peak_bytes, reset_peak  # noqa: E402
 
 

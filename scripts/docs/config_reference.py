@@ -1,8 +1,8 @@
 """Print the FSDP2Config reference (markdown tables, one per group of fields) from the dataclass's own help text.
 
-python scripts/config_reference.py                                 # print the tables
-python scripts/config_reference.py --write docs/reference/config.md   # rewrite them between the page's markers
-python scripts/config_reference.py --check docs/reference/config.md   # exit 1 if the page's tables are stale
+python scripts/docs/config_reference.py                                 # print the tables
+python scripts/docs/config_reference.py --write docs/reference/config.md   # rewrite them between the page's markers
+python scripts/docs/config_reference.py --check docs/reference/config.md   # exit 1 if the page's tables are stale
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ price on batches where every row holds an image (so both can run): step time and
 after-import baseline, for a frozen and a trainable tower, on a mid-size LLaVA built from a config.
 
 Usage:
-    python scripts/measure_vlm_branches.py [--ranks 2] [--steps 6] [--json out.json]
+    python scripts/measure/measure_vlm_branches.py [--ranks 2] [--steps 6] [--json out.json]
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "common"))
+SCRIPTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(SCRIPTS, "common"))
 from peak_memory import MIB, vm_kib  # noqa: E402
 
 IMAGE, PATCH = 64, 8  # 64 patches per image

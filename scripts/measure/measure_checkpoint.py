@@ -3,7 +3,7 @@ async_save, and LoRA's adapter-only checkpoints), bytes on disk against the mode
 training, and consolidation's peak memory and time against `accelerate merge-weights`.
 
 Usage (CPU, 2 ranks):
-    python scripts/measure_checkpoint.py [--nproc 2] [--saves 3] [--json out.json]
+    python scripts/measure/measure_checkpoint.py [--nproc 2] [--saves 3] [--json out.json]
 
 Peak memory is VmHWM above the VmHWM right after imports, in a fresh process per tool.
 """
@@ -19,10 +19,10 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "common"))
+SCRIPTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.join(SCRIPTS, "benchmark"), os.path.join(SCRIPTS, "common")]
 from benchmark_worker import consolidate_worker as timed_consolidation  # noqa: E402
-from benchmark_worker import folder_bytes
+from benchmark_worker import folder_bytes  # noqa: E402
 from llama_model import build_model  # noqa: E402
 from peak_memory import MIB, vm_kib  # noqa: E402
 

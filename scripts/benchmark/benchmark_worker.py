@@ -1,5 +1,5 @@
-"""One rank of one benchmark run (its ranks started by `scripts/benchmark.py` as torchrun would, or a plain process
-for consolidation): load → train with checkpoint saves → resume, measuring each phase the same way for
+"""One rank of one benchmark run (its ranks started by `scripts/benchmark/benchmark.py` as torchrun would, or a plain
+process for consolidation): load → train with checkpoint saves → resume, measuring each phase the same way for
 every system. Results go to a JSON file written by rank 0.
 """
 
@@ -14,7 +14,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "common"))
+SCRIPTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.join(SCRIPTS, "benchmark"), os.path.join(SCRIPTS, "common")]
 from peak_memory import vm_kib  # noqa: E402
 
 START_DIR_ENV = "HF_FSDP2_BENCHMARK_START_DIR"  # set by the launcher: where the ranks meet before the clock starts

@@ -6,8 +6,8 @@ above the after-import baseline on the CPU; the loss and the gradient norm of ea
 can be compared (the same numbers up to summation order).
 
 Usage:
-    python scripts/measure_chunked_loss.py                            # 2 CPU ranks, seq 4096, vocab 32000
-    python scripts/measure_chunked_loss.py --seq 16384 --nproc 1 --chunk 2048 --json chunked.json
+    python scripts/measure/measure_chunked_loss.py                            # 2 CPU ranks, seq 4096, vocab 32000
+    python scripts/measure/measure_chunked_loss.py --seq 16384 --nproc 1 --chunk 2048 --json chunked.json
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import os
 import subprocess
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "common"))
+SCRIPTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(SCRIPTS, "common"))
 from peak_memory import vm_kib  # noqa: E402
 
 

@@ -7,8 +7,8 @@ peaks above the after-import baseline, as the other memory scripts do. The table
 measured MiB of the worst rank and their ratio; the goal is every ratio within 0.85–1.15.
 
 Usage:
-    python scripts/validate_plan.py                       # the default matrix (about 20 minutes on 2 cores)
-    python scripts/validate_plan.py --quick --json plan_validation.json
+    python scripts/measure/validate_plan.py                       # the default matrix (about 20 minutes on 2 cores)
+    python scripts/measure/validate_plan.py --quick --json plan_validation.json
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "common"))
+SCRIPTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(SCRIPTS, "common"))
 from llama_model import build_model  # noqa: E402
 from peak_memory import MIB, vm_kib  # noqa: E402
 

@@ -8,7 +8,8 @@ parameters. Every system loads it, trains 6 steps of 64 tokens saving after the 
 are warm-up and not in the step time; the step time is the median of the last 3, slowest rank: measured at 400M,
 both FSDP systems' steps 1-3 took 18.6-20.2, 15.3-16.9 and 12.5-15.5 s before settling at 13-14 s, so a median of
 steps 2 and 3 timed the warm-up, not the step), resumes from the last checkpoint
-(each system its own way, as in `scripts/benchmark.py`), and the sharded systems consolidate it. Where Adam's state
+(each system its own way, as in `scripts/benchmark/benchmark.py`), and the sharded systems consolidate it. Where
+Adam's state
 would not fit this machine's RAM (the optimizer state of every system at 1.2B on 24 GiB), the size trains with
 plain SGD (no optimizer state: the same for every system); where a system would not fit at all (DDP holds the
 whole model, its gradients and its optimizer on every rank) it is left out of that size, and the table says so.
@@ -28,9 +29,9 @@ A phase within 1x of its limit moves bytes as fast as this machine can; the rati
 that.
 
 Usage:
-    python scripts/benchmark.py --sweep                        # all three sizes (about 32 min on 2 CPU cores)
-    python scripts/benchmark.py --sweep --sizes 100M,400M --json sweep.json --png sweep.png
-    python scripts/benchmark.py --sweep --from-json scripts/results/sweep.json   # re-render, run nothing
+    python scripts/benchmark/benchmark.py --sweep                        # all three sizes (about 32 min on 2 CPU cores)
+    python scripts/benchmark/benchmark.py --sweep --sizes 100M,400M --json sweep.json --png sweep.png
+    python scripts/benchmark/benchmark.py --sweep --from-json scripts/results/sweep.json   # re-render, run nothing
 """
 
 from __future__ import annotations
@@ -43,13 +44,13 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "common"))
+SCRIPTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.join(SCRIPTS, "benchmark"), os.path.join(SCRIPTS, "common")]
 from benchmark_report import MIB, emit_markdown  # noqa: E402
 from benchmark_runs import CONSOLIDATES, NO_RESUME, read_through, run_consolidation, run_training, warm_up  # noqa: E402
 from llama_model import build_model  # noqa: E402
 
-# name: (layers, hidden); intermediate 8/3 hidden, one head per 64 channels (measure_load_memory.build_model).
+# name: (layers, hidden); intermediate 8/3 hidden, one head per 64 channels (llama_model.build_model).
 SIZES = {"100M": (12, 768), "400M": (24, 1152), "1.2B": (24, 2048)}
 SYSTEMS = ("hf_fsdp2", "accelerate_fsdp2", "transformers_fsdp2", "ddp")
 PHASES = ("load_s", "save_s", "resume_s", "consolidate_s")  # the phases that move bytes, set against a limit

@@ -14,12 +14,12 @@ order rotates every repeat) and repeated, and the table gives medians with (minâ
 accelerate_fsdp2.
 
 Usage:
-    python scripts/benchmark.py --quick                     # ~100M Llama, 2 ranks, under 6 min on 2 CPU cores
-    python scripts/benchmark.py --long-context [...]        # long rows, sequence_parallel_size 1 vs 2
-                                                            # (scripts/benchmark_long_context.py --help)
-    python scripts/benchmark.py --sweep [...]               # load/save/resume/consolidation at 100M, 400M, 1.2B
-                                                            # (scripts/benchmark_sweep.py --help)
-    python scripts/benchmark.py --nproc 8 --repeats 3 --json bench.json --png bench.png --markdown bench.md
+    python scripts/benchmark/benchmark.py --quick               # ~100M Llama, 2 ranks, under 6 min on 2 CPU cores
+    python scripts/benchmark/benchmark.py --long-context [...]  # long rows, sequence_parallel_size 1 vs 2
+                                                    # (scripts/benchmark/benchmark_long_context.py --help)
+    python scripts/benchmark/benchmark.py --sweep [...]         # load/save/resume/consolidation at 100M, 400M, 1.2B
+                                                    # (scripts/benchmark/benchmark_sweep.py --help)
+    python scripts/benchmark/benchmark.py --nproc 8 --repeats 3 --json bench.json --png bench.png --markdown bench.md
 
 Memory is VmHWM (peak resident set) above the VmHWM measured right after imports, per rank, so each phase's
 peak is what that phase added; on CUDA also torch's peak allocated GPU memory, bf16 compute and MFU. Bytes
@@ -34,8 +34,8 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "common"))
+SCRIPTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.join(SCRIPTS, "benchmark"), os.path.join(SCRIPTS, "common")]
 from benchmark_report import emit_markdown, render_markdown, render_png, summarize  # noqa: E402
 from benchmark_runs import (  # noqa: E402
     ADAPTER_SYSTEMS,

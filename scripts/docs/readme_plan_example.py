@@ -1,10 +1,10 @@
 """Regenerate the docs' `hf-fsdp2 plan` example (docs/plan.md) from the planner itself, or check that it is current.
 
-    python scripts/readme_plan_example.py            # rewrite the block in docs/plan.md
-    python scripts/readme_plan_example.py --check    # exit 1 when the page's block is not what the planner prints
+    python scripts/docs/readme_plan_example.py            # rewrite the block in docs/plan.md
+    python scripts/docs/readme_plan_example.py --check    # exit 1 when the page's block is not what the planner prints
 
 The block's first line is the command (`$ hf-fsdp2 plan llama-medium ...`); `llama-medium` is the ~100M Llama
-that scripts/validate_plan.py measures as "medium" (12 layers of 768, vocabulary 16000). Only its config.json
+that scripts/measure/validate_plan.py measures as "medium" (12 layers of 768, vocabulary 16000). Only its config.json
 is written, in a temporary folder: the planner reads nothing else.
 """
 
@@ -19,10 +19,11 @@ import shlex
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(SCRIPTS, "measure"))
 from validate_plan import SIZES  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(SCRIPTS)
 BLOCK = re.compile(r"```\n(\$ hf-fsdp2 plan (llama-medium [^\n]*))\n(.*?)```", re.S)
 
 
@@ -72,7 +73,8 @@ def main() -> int:
     if args.check:
         if match[3] != printed:
             print(
-                f"{args.readme}: the plan example is stale; run scripts/readme_plan_example.py. It prints:\n{printed}"
+                f"{args.readme}: the plan example is stale; run scripts/docs/readme_plan_example.py. "
+                f"It prints:\n{printed}"
             )
             return 1
         return 0
