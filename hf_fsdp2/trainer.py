@@ -47,6 +47,9 @@ This is the only module that knows Trainer/Accelerate internals. Every private h
   step synchronously and raises `Preempted`, skipping `on_train_end` and its export (tests/test_failures.py).
 - `save_model`: writes a from_pretrained-ready folder, gathering one tensor at a time (a PEFT model: its
   adapter folder, or the merged model with `merge_adapters_on_save`).
+- `_save` (a subclass's own, such as sentence-transformers'): `save_model` and the end-of-training export of a model
+  that is not a `PreTrainedModel` run it on rank 0 with the model presented unsharded, so the folder is the
+  subclass's format (`owner_export`; tests/test_sentence_transformers.py).
 PEFT models get adapter-only checkpoints: peft's adapter files plus the DCP optimizer state of the
 trainable parameters (tests/test_lora.py).
 """
@@ -152,6 +155,9 @@ class FSDP2Mixin:
             isinstance(c, ConsolidateCallback) for c in self.callback_handler.callbacks
         ):
             self.add_callback(_consolidate_callback(self.fsdp2_config))
+        for callback in self.callback_handler.callbacks:
+            if isinstance(callback, ConsolidateCallback):
+                callback.trainer_save = self._own_save()
 
     @staticmethod
     def _skeleton(path: str | os.PathLike, args: TrainingArguments | None) -> nn.Module:
@@ -450,9 +456,17 @@ class FSDP2Mixin:
             dtype=self.fsdp2_config.export_dtype,
             max_shard_size=self.fsdp2_config.max_shard_size,
             merge_adapters=self.fsdp2_config.merge_adapters_on_save,
+            trainer_save=self._own_save(),
         )
         if is_rank0():
             torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+
+    def _own_save(self) -> Callable[[str], None] | None:
+        """The trainer subclass's own `_save` (sentence-transformers' writes modules.json), or None: Trainer's own
+        writes what the streamed export does."""
+        mro = type(self).__mro__
+        own = any("_save" in vars(cls) for cls in mro[: mro.index(Trainer)] if cls is not FSDP2Mixin)
+        return self._save if own else None
 
     # ---- resume ----------------------------------------------------------------------------------------
 

@@ -130,3 +130,31 @@ def tiny_tokenizer():
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
     return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+
+
+def save_tiny_sentence_transformer(directory: str, seed: int = 1234) -> str:
+    """A sentence-transformers model (tiny BERT without dropout + mean pooling) saved under `directory`; no download."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(seed)
+    bert = os.path.join(directory, "tiny_bert")
+    config = BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        # Dropout masks are drawn per rank, so runs with dropout cannot match across world sizes.
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    BertModel(config).save_pretrained(bert)
+    tiny_tokenizer().save_pretrained(bert)
+    model = SentenceTransformer(modules=[Transformer(bert, max_seq_length=32), Pooling(32, "mean")], device="cpu")
+    path = os.path.join(directory, "tiny_sentence_transformer")
+    model.save_pretrained(path)
+    return path
