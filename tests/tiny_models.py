@@ -35,6 +35,13 @@ def llama(tied: bool = False, layers: int = 2) -> PreTrainedModel:
     return LlamaForCausalLM(LlamaConfig(**{**TEXT_SHAPE, "num_hidden_layers": layers}, tie_word_embeddings=tied))
 
 
+def llama_reward() -> PreTrainedModel:
+    """A Llama sequence classifier with one output: a reward model checkpoint (TRL's RewardTrainer)."""
+    from transformers import LlamaForSequenceClassification
+
+    return LlamaForSequenceClassification(LlamaConfig(**TEXT_SHAPE, num_labels=1))
+
+
 def qwen2() -> PreTrainedModel:
     """A Qwen2 (attention biases, untied)."""
     return Qwen2ForCausalLM(Qwen2Config(**TEXT_SHAPE, tie_word_embeddings=False))
@@ -94,6 +101,7 @@ def sequence_parallel_family(family: str) -> PreTrainedModel:
 BUILDERS: dict[str, Callable[[], PreTrainedModel]] = {
     "llama": llama,
     "llama_tied": lambda: llama(tied=True),
+    "llama_reward": llama_reward,
     "qwen2": qwen2,
     "gpt2": gpt2,
     "qwen3_moe": lambda: moe("qwen3_moe"),
