@@ -78,6 +78,7 @@ from transformers.utils import logging as transformers_logging
 
 from .adapter_checkpoint import check_mergeable, check_trainable_are_saved, load_adapter, save_adapter
 from .adapters import is_adapter_tensor
+from .argument_verdicts import refuse_arguments
 from .branches import guard_optimizer
 from .callbacks import ConsolidateCallback
 from .checkpoint import (
@@ -569,10 +570,9 @@ def _validate_args(model: Any, kwargs: dict[str, Any]) -> None:
 
 
 def _validate_training_args(args: TrainingArguments, config: FSDP2Config) -> None:
-    """Reject TrainingArguments that would checkpoint activations twice (their FSDP settings were carried into
-    FSDP2Config already: from_accelerate)."""
-    if args.deepspeed:
-        raise ValueError("TrainingArguments(deepspeed=...) cannot be combined with FSDP2Trainer; remove it.")
+    """Reject TrainingArguments fields sharding cannot honour (`argument_verdicts`), and activations checkpointed
+    twice (their FSDP settings were carried into FSDP2Config already: from_accelerate)."""
+    refuse_arguments(args)
     if args.activation_checkpointing and config.fsdp_activation_checkpointing:
         raise ValueError(
             "Both TrainingArguments(activation_checkpointing=True) and FSDP2Config(fsdp_activation_checkpointing=True) "
