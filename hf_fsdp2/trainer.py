@@ -130,6 +130,8 @@ class FSDP2Mixin:
         builds_own = _builds_from_paths(super().__init__)
         if isinstance(model, (str, os.PathLike)) and not builds_own:
             bound.arguments["model"] = self._skeleton(model, args)
+        elif isinstance(model, os.PathLike):
+            bound.arguments["model"] = os.fspath(model)  # such trainers test `isinstance(model, str)`
         self._original_names: dict[int, str] = {}
         self._sequence_parallel: SequenceParallel | None = None
         self._memory_plan_logged = False

@@ -55,3 +55,27 @@ def test_reward_model_is_the_classifier_trl_builds(built_runs, scenario):
 def test_kto_reference_model_is_sharded_frozen(built_runs):
     facts = built_runs["fsdp2-2"]["kto_full"]["fsdp2_only"]
     assert facts["ref_sharded"] and facts["ref_trainable"] == 0
+
+
+def test_a_trainer_that_takes_paths_builds_them_as_skeletons(tiny):
+    """In the window, from_pretrained of a path builds the skeleton of exactly that call (class and config overrides
+    from the Auto class); our own loading reads weights; the original from_pretrained is back afterwards."""
+    from sentence_transformers import SentenceTransformerTrainer
+    from transformers import AutoModelForSequenceClassification, PreTrainedModel, Trainer
+    from trl import KTOTrainer, RewardTrainer
+
+    from hf_fsdp2.path_models import check_all_sharded, loading_for_real, skeletons_for_paths
+    from hf_fsdp2.trainer import _builds_from_paths
+
+    assert _builds_from_paths(RewardTrainer.__init__) and _builds_from_paths(KTOTrainer.__init__)
+    assert not _builds_from_paths(Trainer.__init__) and not _builds_from_paths(SentenceTransformerTrainer.__init__)
+    original = PreTrainedModel.__dict__["from_pretrained"]
+    with skeletons_for_paths() as built:
+        skeleton = AutoModelForSequenceClassification.from_pretrained(tiny("llama"), num_labels=1, device_map=None)
+        with loading_for_real():
+            real = AutoModelForSequenceClassification.from_pretrained(tiny("llama_reward"))
+    assert built == [skeleton] and PreTrainedModel.__dict__["from_pretrained"] is original
+    assert type(skeleton).__name__ == "LlamaForSequenceClassification" and skeleton.config.num_labels == 1
+    assert all(p.is_meta for p in skeleton.parameters()) and not any(p.is_meta for p in real.parameters())
+    with pytest.raises(RuntimeError, match="built LlamaForSequenceClassification from .*llama in its __init__"):
+        check_all_sharded(built)
