@@ -10,6 +10,7 @@ The streamed `PreTrainedModel` export is `live_export`'s.
 from __future__ import annotations
 
 import contextlib
+import shutil
 from collections.abc import Callable, Iterator
 
 import torch
@@ -68,6 +69,7 @@ def save_by_owner(
                 save(staging)
             publish(staging, output_dir)
         except Exception as failure:
+            shutil.rmtree(staging, ignore_errors=True)  # nothing half-written is left beside output_dir
             error[0] = f"{type(failure).__name__}: {failure}"
             _share_error(error)
             raise
