@@ -1,7 +1,7 @@
 """sentence-transformers through FSDP2Mixin: SentenceTransformerTrainer at 2 ranks trains as one process (or as DDP
 where the loss itself depends on the ranks), and every folder it writes is sentence-transformers' own format, which
 `SentenceTransformer(folder)` reloads to the trained embeddings (not a transformers folder it would fill with random
-weights)."""
+weights); a user's module with its own save_pretrained is written by it."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def st_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any
     for mode, nproc, scenarios in (
         ("plain", 0, ["cosine", "mnrl_gather"]),
         ("plain", 2, ["mnrl"]),
-        ("fsdp2", 2, list(REFERENCE)),
+        ("fsdp2", 2, [*REFERENCE, "own_save"]),
     ):
         run("st_worker.py", nproc, mode, str(out), model, *scenarios, timeout=600)
     results = {}
@@ -63,6 +63,14 @@ def test_every_folder_written_is_sentence_transformers_format(st_runs):
     assert largest_difference(ours["save_pretrained"], trained) <= 1e-4
     # a checkpoint holds the weights in DCP only: no config.json that would make it look loadable
     assert "pytorch_model_fsdp_0" in ours["checkpoint_files"] and "config.json" not in ours["checkpoint_files"]
+
+
+def test_a_users_module_is_exported_by_its_own_save_pretrained(st_runs):
+    """Not only sentence-transformers: FSDP2Trainer writes a user's module with the module's own save_pretrained."""
+    ours = st_runs["fsdp2-2"]["own_save"]
+    assert "error" not in ours, ours.get("traceback")
+    assert "own_format.pt" in ours["export_files"] and "config.json" not in ours["export_files"]
+    assert ours["largest_difference"] <= 1e-6, "the folder reloads to other weights than the trained ones"
 
 
 class OwnFormat(nn.Module):

@@ -1,5 +1,6 @@
 """sentence-transformers scenarios: SentenceTransformerTrainer as one process or DDP (plain), or with FSDP2Mixin
 (fsdp2) on any world size; each exports with save_model and records what `SentenceTransformer(folder)` encodes.
+`own_save` (fsdp2 only): a user's nn.Module with its own save_pretrained, exported by FSDP2Trainer.
 
 Usage: st_worker.py {plain,fsdp2} OUT MODEL [SCENARIO ...]; rank 0 writes OUT/{MODE}-{WORLD}.json.
 """
@@ -119,7 +120,55 @@ def mnrl_gather() -> dict[str, Any]:
     return train_and_export("mnrl_gather", loss, anchors())[1]
 
 
+class OwnFormat(torch.nn.Module):
+    """A user's model that writes and reads its own folder (no PreTrainedModel)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        out = self.body(x).squeeze(-1)
+        return {"loss": torch.nn.functional.mse_loss(out, labels), "logits": out}
+
+    def save_pretrained(self, directory: str) -> None:
+        torch.save(self.state_dict(), os.path.join(directory, "own_format.pt"))
+
+    @classmethod
+    def from_pretrained(cls, directory: str) -> OwnFormat:
+        model = cls()
+        model.load_state_dict(torch.load(os.path.join(directory, "own_format.pt"), weights_only=True))
+        return model
+
+
+def own_save() -> dict[str, Any]:
+    """FSDP2Trainer (Trainer's own _save) exports a user's module with the module's own save_pretrained."""
+    from hf_fsdp2 import FSDP2Trainer
+    from tests.workers.scenarios import full_weights
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 8, generator=g)
+    data = Dataset.from_dict({"x": x.tolist(), "labels": (x.sum(-1) * 0.3).tolist()})
+    torch.manual_seed(0)
+    trainer = FSDP2Trainer(OwnFormat(), arguments("own_save", learning_rate=1e-2), train_dataset=data)
+    trainer.train()
+    trained = full_weights(trainer.model)
+    export = os.path.join(RUN_DIR, "own_save_export")
+    trainer.save_model(export)
+    if RANK != 0:
+        return {}
+    reloaded = OwnFormat.from_pretrained(export).state_dict()
+    return {
+        "export_files": sorted(os.listdir(export)),
+        "largest_difference": max(
+            float((reloaded[k].flatten() - torch.tensor(v)).abs().max()) for k, v in trained.items()
+        ),
+    }
+
+
 SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {f.__name__: f for f in (cosine, mnrl, mnrl_gather)}
+if MODE == "fsdp2":
+    SCENARIOS["own_save"] = own_save
 
 if __name__ == "__main__":
     run_scenarios(SCENARIOS, sys.argv[4:], f"{RUN_DIR}.json")
