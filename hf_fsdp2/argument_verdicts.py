@@ -43,7 +43,10 @@ _HONOURED = {
     "torch_compile_mode": "with `torch_compile`",
     "use_cache": "set on the model config by Trainer",
     "neftune_noise_alpha": "Trainer's hook on the input embeddings (tests/test_argument_verdicts.py)",
-    "save_only_model": "checkpoints without optimizer and scheduler (tests/test_argument_verdicts.py)",
+    "save_only_model": (
+        "checkpoints without optimizer and scheduler (tests/test_argument_verdicts.py); resuming from one is refused "
+        "by name, where Trainer would start a fresh optimizer without a word"
+    ),
     "save_strategy": "sharded DCP checkpoints",
     "save_steps": "sharded DCP checkpoints",
     "save_total_limit": "Trainer's rotation (tests/test_checkpoint.py)",

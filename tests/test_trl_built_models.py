@@ -49,12 +49,15 @@ def test_two_ranks_match_the_same_trl_trainer(built_runs, scenario):
 def test_reward_model_is_the_classifier_trl_builds(built_runs, scenario):
     model = built_runs["fsdp2-2"][scenario]["model"]
     assert model == {"class": "LlamaForSequenceClassification", "num_labels": 1}
+    # built as our skeleton of TRL's call, so each rank read only its slices of the checkpoint
+    assert built_runs["fsdp2-2"][scenario]["fsdp2_only"]["read_by_slices"]
     assert model == built_runs["plain-1"][scenario]["model"]
 
 
 def test_kto_reference_model_is_sharded_frozen(built_runs):
     facts = built_runs["fsdp2-2"]["kto_full"]["fsdp2_only"]
     assert facts["ref_sharded"] and facts["ref_trainable"] == 0
+    assert facts["read_by_slices"], "TRL's policy and reference, built from the path, are read by slices"
 
 
 def test_a_trainer_that_takes_paths_builds_them_as_skeletons(tiny):

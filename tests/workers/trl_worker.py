@@ -220,6 +220,10 @@ def reward(name: str, path: str) -> dict[str, Any]:
         "class": type(trainer.model).__name__.removeprefix("FSDP"),
         "num_labels": trainer.model.num_labels,
     }
+    if MODE == "fsdp2":
+        from hf_fsdp2.skeleton import get_source
+
+        result["fsdp2_only"] = {"read_by_slices": get_source(trainer.model) is not None}
     return result
 
 
@@ -248,10 +252,13 @@ def kto_full() -> dict[str, Any]:
     if MODE == "fsdp2":
         from torch.distributed.fsdp import FSDPModule
 
+        from hf_fsdp2.skeleton import get_source
+
         ref = trainer.ref_model
         result["fsdp2_only"] = {
             "ref_sharded": isinstance(ref, FSDPModule),
             "ref_trainable": sum(p.requires_grad for p in ref.parameters()),
+            "read_by_slices": get_source(trainer.model) is not None and get_source(ref) is not None,
         }
     return result
 
