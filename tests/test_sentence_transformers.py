@@ -61,6 +61,8 @@ def test_every_folder_written_is_sentence_transformers_format(st_runs):
     # the end-of-training export (ConsolidateCallback) and the sharded model's collective save_pretrained
     assert largest_difference(ours["train_end_export"], trained) <= 1e-4
     assert largest_difference(ours["save_pretrained"], trained) <= 1e-4
+    # resumed from checkpoint-2 (DCP) and exported: the uninterrupted run's embeddings
+    assert largest_difference(ours["resumed"], trained) <= 1e-4
     # a checkpoint holds the weights in DCP only: no config.json that would make it look loadable
     assert "pytorch_model_fsdp_0" in ours["checkpoint_files"] and "config.json" not in ours["checkpoint_files"]
 

@@ -92,18 +92,24 @@ def train_and_export(
 
 def cosine() -> dict[str, Any]:
     """Pairs with a similarity score; with a checkpoint, and (fsdp2) every other way the model gets written."""
-    trainer, result = train_and_export("cosine", CosineSimilarityLoss, pairs(), save_strategy="steps", save_steps=3)
+    trainer, result = train_and_export("cosine", CosineSimilarityLoss, pairs(), save_strategy="steps", save_steps=2)
     if MODE != "fsdp2":
         return result
     live = trainer.model.encode(PROBES, convert_to_tensor=True).flatten().tolist()  # every rank: sharded forwards
     own = os.path.join(RUN_DIR, "cosine_save_pretrained")
     trainer.model.save_pretrained(own)  # every rank, as the collective method requires
+    checkpoint = os.path.join(trainer.args.output_dir, "checkpoint-2")
+    model = SentenceTransformer(MODEL, device="cpu")
+    resumed = Trainer(model=model, args=trainer.args, train_dataset=pairs(), loss=CosineSimilarityLoss(model))
+    resumed.train(resume_from_checkpoint=checkpoint)
+    resumed_export = os.path.join(RUN_DIR, "cosine_resumed_export")
+    resumed.save_model(resumed_export)
     if RANK == 0:
-        checkpoint = os.path.join(trainer.args.output_dir, "checkpoint-3")
         result["fsdp2_only"] = {
             "live": live,
             "train_end_export": encode(trainer.args.output_dir),
             "save_pretrained": encode(own),
+            "resumed": encode(resumed_export),
             "checkpoint_files": sorted(os.listdir(checkpoint)),
         }
     return result
