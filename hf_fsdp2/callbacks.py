@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
@@ -17,7 +18,12 @@ class ConsolidateCallback(TrainerCallback):
         dtype: export dtype (e.g. "bfloat16"); default the parameters' own.
         max_shard_size: largest safetensors file.
         merge_adapters: for a PEFT model, write the merged full model instead of the adapter folder.
+
+    A model that is not a `PreTrainedModel` is written in its own format: `trainer_save`, which `FSDP2Mixin` sets to
+    its trainer subclass's own `_save` when it has one, else the model's own save method.
     """
+
+    trainer_save: Callable[[str], None] | None = None
 
     def __init__(
         self,
@@ -41,4 +47,5 @@ class ConsolidateCallback(TrainerCallback):
             dtype=self.dtype,
             max_shard_size=self.max_shard_size,
             merge_adapters=self.merge_adapters,
+            trainer_save=self.trainer_save,
         )

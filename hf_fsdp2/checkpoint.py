@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_optimizer_state_dict,
@@ -377,7 +378,26 @@ def resume_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, checkpo
     allocate_optimizer_state(model, optimizer, metadata)
     state = get_optimizer_state_dict(model, optimizer)
     load_in_place({OPTIMIZER_KEY: state}, directory)
-    set_optimizer_state_dict(model, optimizer, state)
+    _check_unloaded_state_was_never_saved(model, state, metadata, directory)
+    # NOTE: not strict: a trainable parameter that never received a gradient (BERT's pooler under a
+    # SentenceTransformer's mean pooling) has no Adam state in the checkpoint, as in torch's own optimizer state dict,
+    # and torch's strict check refused to resume such a model (tests/test_sentence_transformers.py).
+    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(strict=False))
+
+
+def _check_unloaded_state_was_never_saved(
+    model: nn.Module, state: dict[str, Any], metadata: Metadata, directory: str
+) -> None:
+    """Every trainable parameter left without optimizer state has none in the checkpoint either.
+
+    Raises:
+        RuntimeError: naming a parameter whose saved state was not read.
+    """
+    prefix = f"{OPTIMIZER_KEY}.state."
+    saved = {key[len(prefix) :].rpartition(".")[0] for key in metadata.state_dict_metadata if key.startswith(prefix)}
+    for name, param in model.named_parameters():
+        if param.requires_grad and name not in state["state"] and name in saved:
+            raise RuntimeError(f"the optimizer state of {name} in {directory} was not read; resume it again.")
 
 
 def allocate_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, metadata: Metadata) -> None:

@@ -21,6 +21,8 @@ from torch import nn
 from .distributed import warn_rank0
 from .gathering import free_memory, gathered, gathered_bytes
 
+# The methods `attach_collective_methods` sets on the sharded model (instance attributes).
+COLLECTIVE_METHODS = ("save_pretrained", "generate")
 # How long a rank waits for the others at a collective method before it names the problem.
 JOIN_TIMEOUT_S = 60
 # The share of free memory the gathered model may take; the rest is for the KV cache and activations.

@@ -116,8 +116,10 @@ def _model_files_dir(checkpoint_dir: str, directory: str) -> str:
         if os.path.isfile(os.path.join(candidate, "config.json")):
             return candidate
     raise ValueError(
-        f"no config.json beside {directory}; from_pretrained needs it. Copy the model's config.json "
-        "into the checkpoint folder and run again."
+        f"no config.json beside {directory}; from_pretrained needs it. Copy the model's config.json into the "
+        "checkpoint folder and run again. A model that is not a transformers PreTrainedModel (a SentenceTransformer) "
+        "has none on purpose: its folder is written in its own format by trainer.save_model(dir) after "
+        "trainer.train(resume_from_checkpoint=...)."
     )
 
 

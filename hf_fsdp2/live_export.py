@@ -6,12 +6,14 @@ peak is about one full tensor, not the model. Offline, from a checkpoint: `conso
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
+from transformers import PreTrainedModel
 
 from .adapter_checkpoint import full_copy, merged_state, save_adapter
 from .checkpoint import model_state_dict
@@ -20,6 +22,7 @@ from .disk_space import check_room, raise_if_write_failed
 from .distributed import is_rank0
 from .facts import facts_of
 from .hf_export import TensorSpec, export_dtype, prepare_output, publish, write_weights
+from .owner_export import owner_save, save_by_owner
 from .sharding import original_class, reshard_all
 
 
@@ -29,9 +32,11 @@ def write_model_files(
     """Write config, generation config and tokenizer files of `model` (rank 0 only; None: tokenizer only).
 
     config.json is the one `model.save_pretrained` would write unsharded: its own class in `architectures`
-    and the dtype of the written weights (`dtype`, else the parameters').
+    and the dtype of the written weights (`dtype`, else the parameters'). Only a `PreTrainedModel` gets one: a
+    `SentenceTransformer`'s `config` is its transformer's, and a folder whose config.json names
+    `SentenceTransformer` loads with random weights and no error.
     """
-    config = getattr(model, "config", None)
+    config = getattr(model, "config", None) if isinstance(model, PreTrainedModel) else None
     if config is not None:
         config = copy.deepcopy(config)
         config.architectures = [original_class(model).__name__]
@@ -53,11 +58,14 @@ def save_pretrained_sharded(
     dtype: str | None = None,
     max_shard_size: str | int = "5GB",
     merge_adapters: bool = False,
+    trainer_save: Callable[[str], None] | None = None,
 ) -> None:
     """Write the live sharded model as a Hugging Face folder, gathering one tensor at a time.
 
     A PEFT model is written as its adapter folder (`PeftModel.from_pretrained` loads it), or with
     `merge_adapters` as the full model with the active LoRA adapter merged into copies of the base weights.
+    A model that is not a `PreTrainedModel` is written in its own format: by `trainer_save` (a trainer
+    subclass's own `_save`) or its own save method, on gathered weights (`owner_export`).
     NOTE: collective; every rank must call it. Only rank 0 holds a full tensor, one at a time, and writes.
 
     Raises:
@@ -67,6 +75,12 @@ def save_pretrained_sharded(
     peft = facts_of(model).is_peft
     if merge_adapters and not peft:
         raise ValueError("merge_adapters_on_save=True, but the model has no PEFT adapters to merge; turn it off.")
+    save = owner_save(model, trainer_save)
+    if save is not None:
+        if save is not trainer_save:
+            save = _with_processing_class(save, processing_class)
+        save_by_owner(model, output_dir, save, resolve_dtype(dtype))
+        return
     staging, need, error = "", 0, None
     try:
         own = _export_bytes(model, dtype, adapter_only=peft and not merge_adapters) if is_rank0() else 0
@@ -105,6 +119,18 @@ def _export_bytes(model: nn.Module, dtype: str | None, adapter_only: bool) -> in
         t.numel() * export_dtype(t.dtype, target or upcast.get(name)).itemsize
         for name, t in model_state_dict(model).items()
     )
+
+
+def _with_processing_class(save: Callable[[str], None], processing_class: Any) -> Callable[[str], None]:
+    """The model's own save followed by the processing class's, as Trainer's `_save` writes both."""
+    if not hasattr(processing_class, "save_pretrained"):
+        return save
+
+    def save_both(directory: str) -> None:
+        save(directory)
+        processing_class.save_pretrained(directory)
+
+    return save_both
 
 
 def _write_weights_gathered(

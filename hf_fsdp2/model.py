@@ -6,6 +6,7 @@ gradient helpers a sharded model needs; it knows nothing about the Trainer.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -25,6 +26,7 @@ from .loading import load_pretrained
 from .nf4 import describe_dense, nf4_candidates, quantize_skeleton
 from .sharding import (
     mixed_precision_policy,
+    original_class,
     reduce_scalar_gradients,
     reshard_all,
     select_units,
@@ -92,6 +94,7 @@ def prepare_model(
     reduce_scalar_gradients(model)
     attach_branch_guard(model, branch_names(model, facts.branches[0], config.branch_modules), facts.branches[1])
     attach_collective_methods(model, gather_for_generate=config.gather_for_generate)
+    report_own_class_names(model)
     setattr(model, SHARDING_ATTR, wanted)
     log_rank0(
         "Sharded %s into %d units + root over mesh %s (%s parameters).",
@@ -101,6 +104,17 @@ def prepare_model(
         f"{sum(p.numel() for p in model.parameters()):,}",
     )
     return model
+
+
+def report_own_class_names(model: nn.Module) -> None:
+    """Let each unit's `_get_name()` (its repr, and what Trainer reads) name its own class, not `FSDP<Class>`.
+
+    NOTE: Trainer's label smoothing shifts the labels only for a model whose `_get_name()` is a causal LM class name;
+    under fully_shard's `FSDPLlamaForCausalLM` it smoothed unshifted labels, silently (tests/test_argument_verdicts.py).
+    """
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.__dict__["_get_name"] = functools.partial(str, original_class(module).__name__)
 
 
 def _refuse_bitsandbytes(model: nn.Module) -> None:

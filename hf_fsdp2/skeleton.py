@@ -141,8 +141,9 @@ def build_skeleton(path: str, auto_class: Any, kwargs: dict[str, Any]) -> nn.Mod
     from transformers import AutoConfig
 
     model_kwargs = {k: kwargs[k] for k in _MODEL_KWARGS if k in kwargs}
-    config_kwargs = {k: v for k, v in kwargs.items() if k not in _MODEL_KWARGS or k == "trust_remote_code"}
-    config = AutoConfig.from_pretrained(path, **config_kwargs)
+    config_kwargs = {k: v for k, v in kwargs.items() if k not in (*_MODEL_KWARGS, "config") or k == "trust_remote_code"}
+    # A config object passed in (from_pretrained's `config=`) is used as it is, as from_pretrained would.
+    config = kwargs.get("config") or AutoConfig.from_pretrained(path, **config_kwargs)
     legacy_dtype = model_kwargs.pop("torch_dtype", None)
     dtype = model_kwargs.pop("dtype", None) or legacy_dtype or "auto"
     if dtype == "auto":
@@ -150,8 +151,14 @@ def build_skeleton(path: str, auto_class: Any, kwargs: dict[str, Any]) -> nn.Mod
         dtype = config.dtype or torch.float32
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
+    # Auto classes build with `from_config`; a concrete class (`LlamaForSequenceClassification`) with `_from_config`,
+    # what transformers' own Auto classes call on it once they resolved any remote code.
+    build = getattr(auto_class, "from_config", None)
+    if build is None:
+        build = auto_class._from_config
+        model_kwargs.pop("trust_remote_code", None)
     with torch.device("meta"):
-        return auto_class.from_config(config, dtype=dtype, **model_kwargs)
+        return build(config, dtype=dtype, **model_kwargs)
 
 
 def get_source(model: nn.Module) -> PretrainedSource | None:

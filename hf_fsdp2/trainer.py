@@ -6,6 +6,9 @@ This is the only module that knows Trainer/Accelerate internals. Every private h
   the model is sharded there (in place), after a subclass's own `__init__` changed it (TRL's
   `get_peft_model`) and before Trainer reads it (tests/test_trl.py, tests/test_dropin.py).
 - `call_model_init`: each model `model_init` returns is sharded (tests/test_dropin.py model_init).
+- `PreTrainedModel.from_pretrained` (patched while a subclass's `__init__` runs, when its signature takes `model` as
+  a path): the models a subclass builds from paths become our skeletons in the class it asked for, sharded when
+  Trainer or `prepare_model` gets them (`path_models`; tests/test_trl_built_models.py).
 - `Accelerator.prepare_model` (wrapped on the instance): an extra model a subclass prepares for evaluation
   (DPO's reference) is sharded frozen instead of replicated (tests/test_trl.py dpo_full).
 - `is_distributed_loading_by_transformers` (set after `__init__`): Trainer's path for models sharded
@@ -47,6 +50,9 @@ This is the only module that knows Trainer/Accelerate internals. Every private h
   step synchronously and raises `Preempted`, skipping `on_train_end` and its export (tests/test_failures.py).
 - `save_model`: writes a from_pretrained-ready folder, gathering one tensor at a time (a PEFT model: its
   adapter folder, or the merged model with `merge_adapters_on_save`).
+- `_save` (a subclass's own, such as sentence-transformers'): `save_model` and the end-of-training export of a model
+  that is not a `PreTrainedModel` run it on rank 0 with the model presented unsharded, so the folder is the
+  subclass's format (`owner_export`; tests/test_sentence_transformers.py).
 PEFT models get adapter-only checkpoints: peft's adapter files plus the DCP optimizer state of the
 trainable parameters (tests/test_lora.py).
 """
@@ -56,6 +62,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -72,6 +79,7 @@ from transformers.utils import logging as transformers_logging
 
 from .adapter_checkpoint import check_mergeable, check_trainable_are_saved, load_adapter, save_adapter
 from .adapters import check_supported
+from .argument_verdicts import refuse_arguments
 from .branches import guard_optimizer
 from .callbacks import ConsolidateCallback
 from .checkpoint import (
@@ -93,6 +101,7 @@ from .from_accelerate import resolve_config
 from .live_export import save_pretrained_sharded, write_model_files
 from .memory_plan import log_memory_plan
 from .model import clip_grad_norm, prepare_model
+from .path_models import PLACEMENT_KWARGS, check_all_sharded, loading_for_real, skeletons_for_paths
 from .preemption import Preempted, PreemptionCallback, PreemptionWatcher
 from .resume import find_resume_checkpoint
 from .router_loss import correct_router_loss, router_config
@@ -107,7 +116,8 @@ class FSDP2Mixin:
 
     The model is sharded when `Trainer.__init__` first sees it (`create_accelerator_and_postprocess`), so
     whatever the subclass does to it before (TRL's `get_peft_model`, say) happens on the unsharded skeleton.
-    A path becomes a meta skeleton first, so no rank ever loads the whole model.
+    A path becomes a meta skeleton first, so no rank ever loads the whole model; a subclass that turns paths into
+    models itself (TRL's) builds them, and they become our skeletons of what it asked for (`path_models`).
     """
 
     def __init__(self, *trainer_args: Any, fsdp2_config: FSDP2Config | None = None, **trainer_kwargs: Any) -> None:
@@ -121,14 +131,21 @@ class FSDP2Mixin:
             # first so the sharding's info lines (NF4 weights kept dense, what carried from Accelerate) show.
             transformers_logging.set_verbosity(args.get_process_log_level())
         self.fsdp2_config = resolve_config(fsdp2_config, args)
-        if isinstance(model, (str, os.PathLike)):
+        builds_own = _builds_from_paths(super().__init__)
+        if isinstance(model, (str, os.PathLike)) and not builds_own:
             bound.arguments["model"] = self._skeleton(model, args)
+        elif isinstance(model, os.PathLike):
+            bound.arguments["model"] = os.fspath(model)  # such trainers test `isinstance(model, str)`
         self._original_names: dict[int, str] = {}
         self._sequence_parallel: SequenceParallel | None = None
         self._memory_plan_logged = False
         self._savers: PartSavers | None = None
         self._pending_save: tuple[list[Any], str, str, str] | None = None
-        super().__init__(*bound.args, **bound.kwargs)
+        # A subclass that turns paths into models itself (TRL's) builds them as our skeletons, in the class and
+        # configuration it asks for; each is sharded when Trainer or accelerator.prepare_model receives it.
+        with skeletons_for_paths() if builds_own else contextlib.nullcontext([]) as built:
+            super().__init__(*bound.args, **bound.kwargs)
+        check_all_sharded(built)
         self.is_distributed_loading_by_transformers = True
         if self.fsdp2_config.sequence_parallel_size > 1:
             _check_sequence_parallel_trainer(self)
@@ -156,6 +173,9 @@ class FSDP2Mixin:
             isinstance(c, ConsolidateCallback) for c in self.callback_handler.callbacks
         ):
             self.add_callback(_consolidate_callback(self.fsdp2_config))
+        for callback in self.callback_handler.callbacks:
+            if isinstance(callback, ConsolidateCallback):
+                callback.trainer_save = self._own_save()
 
     @staticmethod
     def _skeleton(path: str | os.PathLike, args: TrainingArguments | None) -> nn.Module:
@@ -168,7 +188,7 @@ class FSDP2Mixin:
         init_kwargs = getattr(args, "model_init_kwargs", _NO_INIT_KWARGS)
         if init_kwargs is _NO_INIT_KWARGS:
             return from_pretrained(path)
-        kwargs = {k: v for k, v in (init_kwargs or {}).items() if k not in _PLACEMENT_KWARGS}
+        kwargs = {k: v for k, v in (init_kwargs or {}).items() if k not in PLACEMENT_KWARGS}
         kwargs.setdefault("dtype", "float32")
         return from_pretrained(path, **kwargs)
 
@@ -227,7 +247,8 @@ class FSDP2Mixin:
                 self.fsdp2_config.effective_loss_chunk_size,
             )
         self._original_names = {id(p): name for name, p in model.named_parameters()}
-        sharded = prepare_model(model, self.fsdp2_config, bf16=self.args.bf16, fp16=self.args.fp16, facts=facts)
+        with loading_for_real():
+            sharded = prepare_model(model, self.fsdp2_config, bf16=self.args.bf16, fp16=self.args.fp16, facts=facts)
         if sharded is not model:
             raise RuntimeError("prepare_model must shard in place: Trainer.__init__ keeps the object it was given.")
         sharded._is_fsdp_managed_module = True
@@ -472,9 +493,17 @@ class FSDP2Mixin:
             dtype=self.fsdp2_config.export_dtype,
             max_shard_size=self.fsdp2_config.max_shard_size,
             merge_adapters=self.fsdp2_config.merge_adapters_on_save,
+            trainer_save=self._own_save(),
         )
         if is_rank0():
             torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+
+    def _own_save(self) -> Callable[[str], None] | None:
+        """The trainer subclass's own `_save` (sentence-transformers' writes modules.json), or None: Trainer's own
+        writes what the streamed export does."""
+        mro = type(self).__mro__
+        own = any("_save" in vars(cls) for cls in mro[: mro.index(Trainer)] if cls is not FSDP2Mixin)
+        return self._save if own else None
 
     # ---- resume ----------------------------------------------------------------------------------------
 
@@ -505,8 +534,6 @@ class FSDP2Trainer(FSDP2Mixin, Trainer):
 
 _DEFAULT_SEED: int = TrainingArguments.__dataclass_fields__["seed"].default
 _NO_INIT_KWARGS = object()
-# from_pretrained arguments about device placement: sharding places the model.
-_PLACEMENT_KWARGS = ("device_map",)
 
 
 def _sharding_extra_models(
@@ -521,7 +548,8 @@ def _sharding_extra_models(
     def prepare(model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False) -> nn.Module:
         if evaluation_mode and model is not trainer.model and not isinstance(model, FSDPModule):
             model.requires_grad_(False)
-            return prepare_model(model, trainer.fsdp2_config, bf16=trainer.args.bf16).eval()
+            with loading_for_real():
+                return prepare_model(model, trainer.fsdp2_config, bf16=trainer.args.bf16).eval()
         return accelerate_prepare(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
 
     return prepare
@@ -534,6 +562,15 @@ def _bind(init: Callable[..., None], args: tuple[Any, ...], kwargs: dict[str, An
         signature = inspect.signature(Trainer.__init__)
         signature = signature.replace(parameters=list(signature.parameters.values())[1:])  # without self
     return signature.bind_partial(*args, **kwargs)
+
+
+def _builds_from_paths(init: Callable[..., None]) -> bool:
+    """True when the trainer's own constructor declares that `model` may be a path (TRL's: `str | PreTrainedModel`):
+    it builds the model itself, so the class and configuration are its own (RewardTrainer's `num_labels=1`)."""
+    parameter = inspect.signature(init).parameters.get("model")
+    if parameter is None or parameter.annotation is inspect.Parameter.empty:
+        return False
+    return "str" in re.findall(r"\w+", str(parameter.annotation))
 
 
 def _consolidate_callback(config: FSDP2Config) -> ConsolidateCallback:
@@ -557,10 +594,9 @@ def _validate_args(model: Any, kwargs: dict[str, Any]) -> None:
 
 
 def _validate_training_args(args: TrainingArguments, config: FSDP2Config) -> None:
-    """Reject TrainingArguments that would checkpoint activations twice (their FSDP settings were carried into
-    FSDP2Config already: from_accelerate)."""
-    if args.deepspeed:
-        raise ValueError("TrainingArguments(deepspeed=...) cannot be combined with FSDP2Trainer; remove it.")
+    """Reject TrainingArguments fields sharding cannot honour (`argument_verdicts`), and activations checkpointed
+    twice (their FSDP settings were carried into FSDP2Config already: from_accelerate)."""
+    refuse_arguments(args)
     if args.activation_checkpointing and config.fsdp_activation_checkpointing:
         raise ValueError(
             "Both TrainingArguments(activation_checkpointing=True) and FSDP2Config(fsdp_activation_checkpointing=True) "

@@ -1,22 +1,31 @@
-"""TRL's trainers with FSDP2: `FSDP2SFTTrainer`, `FSDP2DPOTrainer`, `FSDP2GRPOTrainer` and `FSDP2RLOOTrainer`
-(install the extra: `hf_fsdp2[trl]`).
+"""TRL's trainers with FSDP2: `FSDP2SFTTrainer`, `FSDP2DPOTrainer`, `FSDP2KTOTrainer`, `FSDP2RewardTrainer`,
+`FSDP2GRPOTrainer` and `FSDP2RLOOTrainer` (install the extra: `hf_fsdp2[trl]`).
 
 Each is `FSDP2Mixin` placed before the TRL trainer, so what TRL does to the model in its own `__init__`
-(`get_peft_model` for `peft_config`, its fused LM head) happens on the unsharded skeleton, and DPO's
-reference model is sharded too (frozen, no optimizer state) instead of replicated on every rank. GRPO's generation
+(`get_peft_model` for `peft_config`, its fused LM head) happens on the unsharded skeleton, and DPO's and KTO's
+reference models are sharded too (frozen, no optimizer state) instead of replicated on every rank. A model given as a
+path is built by TRL itself, in the class and configuration it asks for (RewardTrainer's `num_labels=1` classifier,
+`model_init_kwargs`), as our meta skeleton: each rank reads only its slices (`hf_fsdp2.path_models`). GRPO's generation
 goes through the sharded model's `generate`, which gathers every unit once per call (`hf_fsdp2.gathered`).
 """
 
 from __future__ import annotations
 
 try:
-    from trl import DPOTrainer, GRPOTrainer, RLOOTrainer, SFTTrainer
+    from trl import DPOTrainer, GRPOTrainer, KTOTrainer, RewardTrainer, RLOOTrainer, SFTTrainer
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError("hf_fsdp2.trl needs TRL, which is an optional extra: pip install 'hf_fsdp2[trl]'") from error
 
 from .trainer import FSDP2Mixin
 
-__all__ = ["FSDP2DPOTrainer", "FSDP2GRPOTrainer", "FSDP2RLOOTrainer", "FSDP2SFTTrainer"]
+__all__ = [
+    "FSDP2DPOTrainer",
+    "FSDP2GRPOTrainer",
+    "FSDP2KTOTrainer",
+    "FSDP2RLOOTrainer",
+    "FSDP2RewardTrainer",
+    "FSDP2SFTTrainer",
+]
 
 
 class FSDP2SFTTrainer(FSDP2Mixin, SFTTrainer):
@@ -28,6 +37,18 @@ class FSDP2DPOTrainer(FSDP2Mixin, DPOTrainer):
 
     With a PEFT policy there is no separate reference model: TRL disables the adapters to get it.
     """
+
+
+class FSDP2KTOTrainer(FSDP2Mixin, KTOTrainer):
+    """`trl.KTOTrainer` whose policy and reference models are sharded with FSDP2, as `FSDP2DPOTrainer`.
+
+    KTO's KL term pairs each rank's own rows, so at N ranks it trains as TRL does under DDP at N ranks.
+    """
+
+
+class FSDP2RewardTrainer(FSDP2Mixin, RewardTrainer):
+    """`trl.RewardTrainer` whose reward model is sharded with FSDP2; given a path (a causal LM or a classifier
+    checkpoint), TRL's own `num_labels=1` classifier is what gets built and sharded."""
 
 
 class FSDP2GRPOTrainer(FSDP2Mixin, GRPOTrainer):

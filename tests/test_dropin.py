@@ -62,7 +62,7 @@ SCENARIOS = [
     "predict",
     "custom_optimizer",
     "iterable_dataset",
-    "gradient_checkpointing_and_auto_batch",
+    "gradient_checkpointing",
     "subclass",
     "seq2seq_own_loss",
     "hyperparameter_search",

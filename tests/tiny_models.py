@@ -35,6 +35,13 @@ def llama(tied: bool = False, layers: int = 2) -> PreTrainedModel:
     return LlamaForCausalLM(LlamaConfig(**{**TEXT_SHAPE, "num_hidden_layers": layers}, tie_word_embeddings=tied))
 
 
+def llama_reward() -> PreTrainedModel:
+    """A Llama sequence classifier with one output: a reward model checkpoint (TRL's RewardTrainer)."""
+    from transformers import LlamaForSequenceClassification
+
+    return LlamaForSequenceClassification(LlamaConfig(**TEXT_SHAPE, num_labels=1))
+
+
 def qwen2() -> PreTrainedModel:
     """A Qwen2 (attention biases, untied)."""
     return Qwen2ForCausalLM(Qwen2Config(**TEXT_SHAPE, tie_word_embeddings=False))
@@ -94,6 +101,7 @@ def sequence_parallel_family(family: str) -> PreTrainedModel:
 BUILDERS: dict[str, Callable[[], PreTrainedModel]] = {
     "llama": llama,
     "llama_tied": lambda: llama(tied=True),
+    "llama_reward": llama_reward,
     "qwen2": qwen2,
     "gpt2": gpt2,
     "qwen3_moe": lambda: moe("qwen3_moe"),
@@ -130,3 +138,31 @@ def tiny_tokenizer():
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
     return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+
+
+def save_tiny_sentence_transformer(directory: str, seed: int = 1234) -> str:
+    """A sentence-transformers model (tiny BERT without dropout + mean pooling) saved under `directory`; no download."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(seed)
+    bert = os.path.join(directory, "tiny_bert")
+    config = BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        # Dropout masks are drawn per rank, so runs with dropout cannot match across world sizes.
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    BertModel(config).save_pretrained(bert)
+    tiny_tokenizer().save_pretrained(bert)
+    model = SentenceTransformer(modules=[Transformer(bert, max_seq_length=32), Pooling(32, "mean")], device="cpu")
+    path = os.path.join(directory, "tiny_sentence_transformer")
+    model.save_pretrained(path)
+    return path

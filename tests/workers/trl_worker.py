@@ -1,6 +1,7 @@
 """TRL scenarios: plain SFTTrainer/DPOTrainer as one process, or hf_fsdp2's TRL trainers on any world size.
 
-Usage: trl_worker.py {plain,fsdp2} OUT LLAMA [SCENARIO ...]; rank 0 writes OUT/{MODE}-{WORLD}.json.
+Usage: trl_worker.py {plain,fsdp2} OUT LLAMA [SCENARIO ...] [--reward-checkpoint PATH]; rank 0 writes
+OUT/{MODE}-{WORLD}.json. Without scenarios: those of `SCENARIOS`; `BUILT_BY_TRL`'s are named.
 fp32 throughout for parity (SFTConfig's bf16 default rounds differently under autocast and FSDP2's
 mixed precision), except `sft_defaults`, which keeps SFTConfig's defaults and only has to train.
 """
@@ -15,24 +16,41 @@ from typing import Any
 import torch
 from datasets import Dataset
 from peft import LoraConfig
-from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
+from trl import (
+    DPOConfig,
+    DPOTrainer,
+    KTOConfig,
+    KTOTrainer,
+    RewardConfig,
+    RewardTrainer,
+    SFTConfig,
+    SFTTrainer,
+)
 
 from tests.tiny_models import tiny_tokenizer
 from tests.workers.scenarios import PARITY_ADAM_EPSILON, full_weights, losses, run_scenarios, saved_tensors
 
 MODE, OUT, LLAMA = sys.argv[1:4]
+CHOSEN = sys.argv[4:]
+REWARD_CHECKPOINT = ""
+if "--reward-checkpoint" in CHOSEN:
+    at = CHOSEN.index("--reward-checkpoint")
+    REWARD_CHECKPOINT = CHOSEN[at + 1]
+    del CHOSEN[at : at + 2]
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
 RANK = int(os.environ.get("RANK", "0"))
 RUN_DIR = os.path.join(OUT, f"{MODE}-{WORLD}")
 GLOBAL_BATCH = 4
 
 if MODE == "fsdp2":
-    from hf_fsdp2.trl import FSDP2DPOTrainer, FSDP2SFTTrainer
+    from hf_fsdp2.trl import FSDP2DPOTrainer, FSDP2KTOTrainer, FSDP2RewardTrainer, FSDP2SFTTrainer
 
     SFT: type = FSDP2SFTTrainer
     DPO: type = FSDP2DPOTrainer
+    KTO: type = FSDP2KTOTrainer
+    REWARD: type = FSDP2RewardTrainer
 else:
-    SFT, DPO = SFTTrainer, DPOTrainer
+    SFT, DPO, KTO, REWARD = SFTTrainer, DPOTrainer, KTOTrainer, RewardTrainer
 
 
 def words(g: torch.Generator, n: int) -> str:
@@ -185,9 +203,73 @@ def dpo_lora() -> dict[str, Any]:
     return {"losses": losses(trainer), "adapters": full_weights(trainer.model, trainable_only=True)}
 
 
+def preference_data(n: int = 32) -> Dataset:
+    """Implicit-prompt preference pairs, as RewardTrainer takes them."""
+    g = torch.Generator().manual_seed(2)
+    rows = [(words(g, 6), words(g, 6)) for _ in range(n)]
+    return Dataset.from_dict({"chosen": [r[0] for r in rows], "rejected": [r[1] for r in rows]})
+
+
+def reward(name: str, path: str) -> dict[str, Any]:
+    """RewardTrainer given a path: TRL builds its num_labels=1 classifier (its head new or from the checkpoint)."""
+    config = RewardConfig(**{**common(name), "bf16": False, "gradient_checkpointing": False, "max_length": 32})
+    trainer = REWARD(path, args=config, train_dataset=preference_data(), processing_class=tiny_tokenizer())
+    trainer.train()
+    result = {"losses": losses(trainer), "weights": full_weights(trainer.model)}
+    result["model"] = {
+        "class": type(trainer.model).__name__.removeprefix("FSDP"),
+        "num_labels": trainer.model.num_labels,
+    }
+    if MODE == "fsdp2":
+        from hf_fsdp2.skeleton import get_source
+
+        result["fsdp2_only"] = {"read_by_slices": get_source(trainer.model) is not None}
+    return result
+
+
+def reward_causal_path() -> dict[str, Any]:
+    """TRL's documented usage: a causal LM's path; the score head is initialized after TRL's set_seed."""
+    return reward("reward_causal_path", LLAMA)
+
+
+def reward_seqcls_path() -> dict[str, Any]:
+    """A sequence-classification checkpoint's path: its trained score head is read, not made anew."""
+    return reward("reward_seqcls_path", REWARD_CHECKPOINT)
+
+
+def kto_data(n: int = 32) -> Dataset:
+    g = torch.Generator().manual_seed(3)
+    rows = [(words(g, 4), words(g, 5), bool(i % 3)) for i in range(n)]
+    return Dataset.from_dict({k: [r[i] for r in rows] for i, k in enumerate(("prompt", "completion", "label"))})
+
+
+def kto_full() -> dict[str, Any]:
+    """Full KTO from a path; the reference model TRL builds from the same path is sharded frozen."""
+    config = KTOConfig(**{**common("kto_full"), "bf16": False, "gradient_checkpointing": False, "max_length": 32})
+    trainer = KTO(LLAMA, args=config, train_dataset=kto_data(), processing_class=tiny_tokenizer())
+    trainer.train()
+    result = {"losses": losses(trainer), "weights": full_weights(trainer.model)}
+    if MODE == "fsdp2":
+        from torch.distributed.fsdp import FSDPModule
+
+        from hf_fsdp2.skeleton import get_source
+
+        ref = trainer.ref_model
+        result["fsdp2_only"] = {
+            "ref_sharded": isinstance(ref, FSDPModule),
+            "ref_trainable": sum(p.requires_grad for p in ref.parameters()),
+            "read_by_slices": get_source(trainer.model) is not None and get_source(ref) is not None,
+        }
+    return result
+
+
 SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {
     f.__name__: f for f in (sft_full, sft_lora, sft_lora_object, sft_defaults, dpo_full, dpo_lora)
 }
+# Trainers that build their model from a path themselves (tests/test_trl_built_models.py names them).
+BUILT_BY_TRL: dict[str, Callable[[], dict[str, Any]]] = {
+    f.__name__: f for f in (reward_causal_path, reward_seqcls_path, kto_full)
+}
 
 if __name__ == "__main__":
-    run_scenarios(SCENARIOS, sys.argv[4:], f"{RUN_DIR}.json")
+    run_scenarios({**SCENARIOS, **BUILT_BY_TRL}, CHOSEN or list(SCENARIOS), f"{RUN_DIR}.json")

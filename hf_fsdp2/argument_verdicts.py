@@ -1,0 +1,198 @@
+"""What each `TrainingArguments` field does under FSDP2Trainer: honoured, refused, or no effect on training.
+
+Every field of the pinned transformers has a verdict here (tests/test_argument_verdicts.py enumerates them), so a
+field a new transformers adds fails that test until someone decides. Refused fields fail at construction, by name,
+when set to anything but their default. It reads arguments only; the trainer calls `refuse_arguments`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+Verdict = Literal["honoured", "refused", "no effect"]
+
+# Honoured: Trainer's own behaviour, unchanged by sharding (the test that shows it, where one does).
+_HONOURED = {
+    "per_device_train_batch_size": "each rank's batch (tests/test_parity.py)",
+    "num_train_epochs": "Trainer's loop",
+    "max_steps": "Trainer's loop (tests/test_parity.py)",
+    "learning_rate": "the optimizer over the shards",
+    "lr_scheduler_type": "Trainer's scheduler",
+    "lr_scheduler_kwargs": "Trainer's scheduler",
+    "warmup_steps": "Trainer's scheduler",
+    "optim": "Trainer's optimizer over the shards (elementwise updates: see the README on optimizers)",
+    "optim_args": "with `optim`",
+    "optim_target_modules": "with `optim` (GaLore, APOLLO)",
+    "weight_decay": "elementwise",
+    "adam_beta1": "elementwise",
+    "adam_beta2": "elementwise",
+    "adam_epsilon": "elementwise",
+    "gradient_accumulation_steps": "tests/test_parity.py (reduced every micro-step unless defer_gradient_sync)",
+    "average_tokens_across_devices": "tests/test_parity.py; not applied to losses that ignore num_items_in_batch",
+    "max_grad_norm": "global norm over the DTensor gradients (tests/test_parity.py)",
+    "label_smoothing_factor": "Trainer's LabelSmoother on each rank's rows (tests/test_argument_verdicts.py)",
+    "bf16": "FSDP2's MixedPrecisionPolicy (fp32 masters, bf16 compute)",
+    "tf32": "a global torch setting",
+    "activation_checkpointing": "Trainer's; refused together with FSDP2Config(fsdp_activation_checkpointing=True)",
+    "activation_checkpointing_kwargs": "with `activation_checkpointing`",
+    "gradient_checkpointing": "the model's own, on the skeleton (tests/test_dropin.py)",
+    "gradient_checkpointing_kwargs": "with `gradient_checkpointing`",
+    "torch_compile": "tests/test_dropin.py torch_compile",
+    "torch_compile_backend": "with `torch_compile`",
+    "torch_compile_mode": "with `torch_compile`",
+    "use_cache": "set on the model config by Trainer",
+    "neftune_noise_alpha": "Trainer's hook on the input embeddings (tests/test_argument_verdicts.py)",
+    "save_only_model": (
+        "checkpoints without optimizer and scheduler (tests/test_argument_verdicts.py); resuming from one is refused "
+        "by name, where Trainer would start a fresh optimizer without a word"
+    ),
+    "save_strategy": "sharded DCP checkpoints",
+    "save_steps": "sharded DCP checkpoints",
+    "save_total_limit": "Trainer's rotation (tests/test_checkpoint.py)",
+    "load_best_model_at_end": "the best DCP checkpoint reloaded (tests/test_dropin.py)",
+    "metric_for_best_model": "with `load_best_model_at_end`",
+    "greater_is_better": "with `load_best_model_at_end`",
+    "ignore_data_skip": "Trainer's resume",
+    "restore_callback_states_from_checkpoint": "trainer_state.json's callback states (tests/test_argument_verdicts.py)",
+    "full_determinism": "Trainer's",
+    "seed": "the skeleton is built right after seeding, as one process loads it",
+    "data_seed": "Trainer's sampler",
+    "use_cpu": "set by hf_fsdp2 on a machine without accelerators",
+    "accelerator_config": "Accelerate's data loading, as under DDP",
+    "dataloader_drop_last": "Trainer's data loader",
+    "remove_unused_columns": "Trainer's data loader",
+    "label_names": "Trainer's",
+    "train_sampling_strategy": "Trainer's sampler, e.g. group_by_length (tests/test_argument_verdicts.py)",
+    "length_column_name": "with train_sampling_strategy='group_by_length'",
+    "fsdp": "carried into FSDP2Config (from_accelerate)",
+    "fsdp_config": "carried into FSDP2Config (from_accelerate)",
+}
+
+# Refused: what goes wrong when sharded, and what to do instead.
+_REFUSED = {
+    "auto_find_batch_size": (
+        "it retries a smaller batch after an out-of-memory error on one rank while the other ranks wait in that "
+        "step's collectives forever. Set per_device_train_batch_size yourself (hf_fsdp2.plan estimates what fits)"
+    ),
+    "fp16": "FSDP2 has no sharded loss scaling. Use bf16=True",
+    "deepspeed": "DeepSpeed and FSDP2 both shard the model. Remove it",
+    "use_liger_kernel": (
+        "Liger's fused kernels read the LM head's weight outside the forward, where it is sharded. For a chunked "
+        "loss use FSDP2Config(loss_chunk_size=...)"
+    ),
+    "liger_kernel_config": "it configures use_liger_kernel, which is refused. Remove it",
+    "bf16_full_eval": (
+        "Trainer casts the model to bf16 in place for evaluation, and with it the sharded fp32 master weights. "
+        "With bf16=True evaluation already computes in bf16"
+    ),
+    "fp16_full_eval": "Trainer casts the model to fp16 in place, and with it the sharded fp32 master weights",
+    "parallelism_config": (
+        "Accelerate's tensor/context parallelism would shard the model a second way. Use FSDP2Config "
+        "(hsdp_replicate_size, sequence_parallel_size)"
+    ),
+    "enable_jit_checkpoint": (
+        "Trainer's checkpoint on SIGTERM is FSDP2Config(checkpoint_on_signals=...) here, which every rank agrees on"
+    ),
+}
+
+# No effect on training: what the field changes instead.
+_NO_EFFECT = {
+    **dict.fromkeys(("output_dir", "run_name", "project", "do_train", "do_eval", "do_predict"), "names and flags"),
+    **dict.fromkeys(("resume_from_checkpoint", "local_rank"), "read by scripts or from torchrun, not by Trainer"),
+    **dict.fromkeys(
+        (
+            "logging_strategy",
+            "logging_steps",
+            "logging_first_step",
+            "log_on_each_node",
+            "logging_nan_inf_filter",
+            "log_level",
+            "log_level_replica",
+            "disable_tqdm",
+            "report_to",
+            "trackio_space_id",
+            "trackio_bucket_id",
+            "trackio_static_space_id",
+            "skip_memory_metrics",
+            "debug",
+        ),
+        "logging and reporting",
+    ),
+    "include_num_input_tokens_seen": "a logged count, gathered over ranks (tests/test_argument_verdicts.py)",
+    "torch_empty_cache_steps": "frees cached accelerator memory (tests/test_argument_verdicts.py)",
+    **dict.fromkeys(
+        (
+            "eval_strategy",
+            "eval_steps",
+            "eval_delay",
+            "per_device_eval_batch_size",
+            "prediction_loss_only",
+            "eval_on_start",
+            "eval_do_concat_batches",
+            "eval_use_gather_object",
+            "eval_accumulation_steps",
+            "include_for_metrics",
+            "batch_eval_metrics",
+        ),
+        "evaluation only",
+    ),
+    "save_on_each_node": "where rank-local files go; every rank writes its DCP part anyway",
+    **dict.fromkeys(
+        (
+            "push_to_hub",
+            "hub_token",
+            "hub_private_repo",
+            "hub_model_id",
+            "hub_strategy",
+            "hub_always_push",
+            "hub_revision",
+        ),
+        "uploads",
+    ),
+    **dict.fromkeys(
+        (
+            "dataloader_num_workers",
+            "dataloader_pin_memory",
+            "dataloader_persistent_workers",
+            "dataloader_prefetch_factor",
+            "dataloader_multiprocessing_context",
+            "dataloader_in_order",
+        ),
+        "how batches are loaded, not which",
+    ),
+    **dict.fromkeys(
+        ("ddp_find_unused_parameters", "ddp_bucket_cap_mb", "ddp_broadcast_buffers", "ddp_static_graph"),
+        "DDP's; the sharded model is not wrapped in DDP",
+    ),
+    **dict.fromkeys(("ddp_backend", "ddp_timeout"), "hf_fsdp2 starts the process group (nccl on CUDA, gloo on CPU)"),
+}
+
+VERDICTS: dict[str, tuple[Verdict, str]] = {
+    **{name: ("honoured", why) for name, why in _HONOURED.items()},
+    **{name: ("refused", why) for name, why in _REFUSED.items()},
+    **{name: ("no effect", why) for name, why in _NO_EFFECT.items()},
+}
+
+
+def refuse_arguments(args: Any) -> None:
+    """Refuse, by name, every refused field set to anything but its class's default.
+
+    Raises:
+        ValueError: naming each such field, why sharding cannot honour it, and what to do.
+    """
+    defaults = {f.name: _default(f) for f in dataclasses.fields(args)}
+    problems = [
+        f"{name}={getattr(args, name)!r}: {_REFUSED[name]}."
+        for name in _REFUSED
+        if name in defaults and getattr(args, name) != defaults[name]
+    ]
+    if problems:
+        raise ValueError(f"{type(args).__name__} settings FSDP2Trainer cannot honour: " + " ".join(problems))
+
+
+def _default(field: dataclasses.Field) -> Any:
+    """A dataclass field's default value."""
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return field.default

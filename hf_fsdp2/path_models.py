@@ -1,0 +1,91 @@
+"""Models a trainer subclass builds from a path itself (TRL's `RewardTrainer` builds a `num_labels=1` classifier,
+its trainers pass `model_init_kwargs`, DPO and KTO build their reference model): while the subclass's `__init__`
+runs, `from_pretrained(path, ...)` of any transformers model class builds our meta skeleton of exactly that call
+instead of reading the weights, so the model the subclass asked for is what gets sharded and each rank reads only
+its slices.
+
+It knows nothing of trainers: the mixin opens the window around the subclass's `__init__` and closes it around its
+own loading.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import Any
+
+from torch import nn
+from transformers import PreTrainedModel
+
+from .skeleton import first_meta_tensor, from_pretrained, get_source
+
+# from_pretrained arguments about device placement: sharding places the model.
+PLACEMENT_KWARGS = ("device_map",)
+# Where from_pretrained is defined for every model class. Auto classes resolve the class and its config (with
+# overrides such as `num_labels=1`) and call the concrete class's, so this one place sees every model a path becomes.
+_OWNERS = (PreTrainedModel,)
+_state: dict[str, Any] = {"built": None, "suspended": 0}
+
+
+@contextlib.contextmanager
+def skeletons_for_paths() -> Iterator[list[nn.Module]]:
+    """Within the block, `from_pretrained(path, **kwargs)` builds the skeleton of that call; yields those built.
+
+    Raises:
+        RuntimeError: when the block opens inside another one (one trainer is built at a time).
+    """
+    if _state["built"] is not None:
+        raise RuntimeError("a trainer is already being built in this process; build trainers one after another.")
+    built: list[nn.Module] = []
+    originals = {owner: owner.__dict__["from_pretrained"] for owner in _OWNERS}
+    _state["built"] = built
+    try:
+        for owner, original in originals.items():
+            owner.from_pretrained = classmethod(_intercept(original.__func__))
+        yield built
+    finally:
+        for owner, original in originals.items():
+            owner.from_pretrained = original
+        _state["built"] = None
+
+
+@contextlib.contextmanager
+def loading_for_real() -> Iterator[None]:
+    """Within the block, from_pretrained reads weights again (our own loading, the rank-0 route, calls it)."""
+    _state["suspended"] += 1
+    try:
+        yield
+    finally:
+        _state["suspended"] -= 1
+
+
+def _intercept(original: Any) -> Any:
+    """The from_pretrained that builds a skeleton for a path while a window is open and not suspended."""
+
+    def build(cls: type, path: Any, *args: Any, **kwargs: Any) -> Any:
+        if _state["built"] is None or _state["suspended"] or args or not isinstance(path, (str, os.PathLike)):
+            return original(cls, path, *args, **kwargs)
+        kwargs = {k: v for k, v in kwargs.items() if k not in PLACEMENT_KWARGS}
+        skeleton = from_pretrained(path, cls, **kwargs)
+        _state["built"].append(skeleton)
+        return skeleton
+
+    return build
+
+
+def check_all_sharded(built: list[nn.Module]) -> None:
+    """Every skeleton the subclass built got its weights (it handed it, or a PEFT model around it, to Trainer or to
+    `accelerator.prepare_model`, which shard and load it).
+
+    Raises:
+        RuntimeError: naming the class and path of a skeleton that would stay without weights.
+    """
+    for skeleton in built:
+        if first_meta_tensor(skeleton) is not None:
+            source = get_source(skeleton)
+            raise RuntimeError(
+                f"the trainer built {type(skeleton).__name__} from {source.path if source else 'a path'} in its "
+                "__init__ but never handed it to Trainer or accelerator.prepare_model, so hf_fsdp2 never loaded its "
+                "weights. Pass that model to the trainer as an object (loaded with from_pretrained) instead of a path."
+            )
