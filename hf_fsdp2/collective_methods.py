@@ -11,6 +11,7 @@ first check that every rank joined: a call on one rank only (`if is_world_proces
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -61,9 +62,10 @@ def all_ranks_join(what: str) -> None:
         ) from error
 
 
-def attach_collective_methods(model: nn.Module, gather_for_generate: bool = True) -> None:
-    """Give the sharded `model` a save_pretrained that writes the streamed export, and a guarded generate that
-    gathers every unit once per call (`gather_for_generate`, when the gathered model fits).
+def attach_collective_methods(model: nn.Module, export: Callable[..., None], gather_for_generate: bool = True) -> None:
+    """Give the sharded `model` a save_pretrained that writes the streamed export `export` (passed in: the export
+    imports this module's COLLECTIVE_METHODS), and a guarded generate that gathers every unit once per call
+    (`gather_for_generate`, when the gathered model fits).
 
     NOTE: collective (it may create the gloo group the checks use).
     """
@@ -71,7 +73,7 @@ def attach_collective_methods(model: nn.Module, gather_for_generate: bool = True
         cpu_group()
     # Through __dict__: an instance attribute wins over the class's method (also over fully_shard's FSDP<Class>
     # and peft's wrappers), and push_to_hub calls self.save_pretrained.
-    model.__dict__["save_pretrained"] = functools.partial(_save_pretrained, model)
+    model.__dict__["save_pretrained"] = functools.partial(_save_pretrained, export, model)
     generate = getattr(model, "generate", None)
     if callable(generate):
         call = functools.partial(_generate, generate, model if gather_for_generate else None)
@@ -79,13 +81,16 @@ def attach_collective_methods(model: nn.Module, gather_for_generate: bool = True
 
 
 def _save_pretrained(
-    model: nn.Module, save_directory: str, *args: Any, max_shard_size: str | int = "5GB", **kwargs: Any
+    export: Callable[..., None],
+    model: nn.Module,
+    save_directory: str,
+    *args: Any,
+    max_shard_size: str | int = "5GB",
+    **kwargs: Any,
 ) -> None:
     """`save_pretrained(dir)` of the sharded model: the folder `trainer.save_model(dir)` writes."""
-    from .live_export import save_pretrained_sharded
-
     all_ranks_join("save_pretrained")
-    save_pretrained_sharded(model, str(save_directory), max_shard_size=max_shard_size)
+    export(model, str(save_directory), max_shard_size=max_shard_size)
 
 
 def _generate(generate: Any, model: nn.Module | None, *args: Any, **kwargs: Any) -> Any:

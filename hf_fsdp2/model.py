@@ -22,6 +22,7 @@ from .collective_methods import attach_collective_methods
 from .config import FSDP2Config
 from .distributed import build_mesh, check_same_on_all_ranks, get_device, init_distributed, log_rank0
 from .facts import ModelFacts, describe, facts_of
+from .live_export import save_pretrained_sharded
 from .loading import load_pretrained
 from .nf4 import describe_dense, nf4_candidates, quantize_skeleton
 from .sharding import (
@@ -93,7 +94,7 @@ def prepare_model(
     model = load_pretrained(model, shard, offload=config.cpu_offload)
     reduce_scalar_gradients(model)
     attach_branch_guard(model, branch_names(model, facts.branches[0], config.branch_modules), facts.branches[1])
-    attach_collective_methods(model, gather_for_generate=config.gather_for_generate)
+    attach_collective_methods(model, save_pretrained_sharded, gather_for_generate=config.gather_for_generate)
     report_own_class_names(model)
     setattr(model, SHARDING_ATTR, wanted)
     log_rank0(
