@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from .gathering import gathered
     from .memory_plan import plan
     from .model import prepare_model
+    from .muon import Muon, MuonAdamW
     from .skeleton import from_pretrained
     from .trainer import FSDP2Mixin, FSDP2Trainer
 
@@ -41,6 +42,8 @@ _EXPORTS = {
     "FSDP2Config": "config",
     "FSDP2Mixin": "trainer",
     "FSDP2Trainer": "trainer",
+    "Muon": "muon",
+    "MuonAdamW": "muon",
     "close_distributed": "distributed",
     "consolidate": "consolidation",
     "from_pretrained": "skeleton",
@@ -53,6 +56,8 @@ __all__ = [
     "FSDP2Config",
     "FSDP2Mixin",
     "FSDP2Trainer",
+    "Muon",
+    "MuonAdamW",
     "close_distributed",
     "consolidate",
     "from_pretrained",
