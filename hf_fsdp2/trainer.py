@@ -30,9 +30,10 @@ This is the only module that knows Trainer/Accelerate internals. Every private h
 - `training_step` (wrapped, only with `sequence_parallel_size` > 1): one Trainer step per member of the group on
   this rank's slice of that member's rows, inside Ulysses attention (tests/test_sequence_parallel.py).
 - `create_optimizer`: reshard first, because a forward under no_grad (evaluate) leaves the root and the last block
-  gathered and an optimizer built then holds the wrong tensors (tests/test_trainer.py evaluate-then-train). The
-  optimizer built (or passed in `optimizers`) is then checked: a torch.optim.Muon becomes its shard-exact twin in
-  place (tests/test_muon.py).
+  gathered and an optimizer built then holds the wrong tensors (tests/test_trainer.py evaluate-then-train).
+  `args.optim` must have a verdict that is not "refused" (`optimizers.OPTIM_VERDICTS`), and the optimizer built (or
+  passed in `optimizers`) is made exact on shards in place: torch.optim.Muon and transformers' Adafactor become
+  their shard-exact twins, bitsandbytes' step each rank's local shard (tests/test_muon.py, tests/test_optimizers.py).
 - `model_accepts_loss_kwargs`: cleared when the model's loss ignores `num_items_in_batch`, else
   Trainer multiplies such losses by the world size (tests/test_parity.py classification); set when a model marked
   `accepts_loss_kwargs = False` still hands **kwargs to its `loss_function` (tests/test_vlm.py qwen2_5_vl).
@@ -91,7 +92,7 @@ from .from_accelerate import resolve_config
 from .live_export import save_pretrained_sharded, write_model_files
 from .memory_plan import log_memory_plan
 from .model import clip_grad_norm, prepare_model
-from .muon import make_shard_exact
+from .optimizers import adapt_optimizer, check_optim
 from .preemption import Preempted, PreemptionCallback, PreemptionWatcher
 from .resume import find_resume_checkpoint
 from .router_loss import correct_router_loss, router_config
@@ -146,7 +147,7 @@ class FSDP2Mixin:
             )
         if self.optimizer is not None:
             repoint_optimizer(self.optimizer, self._original_names, self.model)
-            make_shard_exact(_unwrap_optimizer(self.optimizer))
+            adapt_optimizer(_unwrap_optimizer(self.optimizer))
             guard_optimizer(self.model, _unwrap_optimizer(self.optimizer))
         self._preemption = PreemptionWatcher(
             self.fsdp2_config.checkpoint_on_signals, self.fsdp2_config.signal_check_steps
@@ -323,8 +324,10 @@ class FSDP2Mixin:
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         """Build the optimizer over the sharded parameters (reshard first: see module docstring)."""
         reshard_all(self.model)
+        if self.optimizer is None and self.optimizer_cls_and_kwargs is None:
+            check_optim(self.args.optim)
         optimizer = super().create_optimizer(model)
-        make_shard_exact(_unwrap_optimizer(optimizer))
+        adapt_optimizer(_unwrap_optimizer(optimizer))
         guard_optimizer(self.model, _unwrap_optimizer(optimizer))
         return optimizer
 

@@ -1,6 +1,6 @@
 """Muon on FSDP2 shards: each matrix orthogonalised whole by its owner, exact against torch.optim.Muon + AdamW.
 
-Two layers of evidence. tests/workers/muon_worker.py drives the optimizer alone with gradients that are a fixed
+Two layers of evidence. tests/workers/whole_matrix_worker.py drives the optimizer alone with gradients that are a fixed
 elementwise function of the weights (so every rank and the one-process reference see the same gradient bits): the
 sharded Muon must be bit-exact at 2 and 4 ranks and under HSDP, and after a DCP save at 2 ranks and a resume at 4.
 tests/workers/optim_worker.py trains a tiny Llama through the Trainer: `hf_fsdp2.Muon` and a torch.optim.Muon handed
@@ -79,11 +79,12 @@ def test_bad_muon_arguments_are_refused_by_name():
 
 
 def test_sharded_muon_is_bit_exact_at_2_and_4_ranks_hsdp_and_after_resume_at_another_world_size(tmp_path):
+    """Also ShardedAdafactor on the same model (uneven rows, a 3-D expert stack) against transformers' Adafactor."""
     checkpoint = str(tmp_path / "checkpoint")
     os.makedirs(tmp_path / "two")
     os.makedirs(tmp_path / "four")
-    run("muon_worker.py", 2, str(tmp_path / "two"), "--save", checkpoint)
-    run("muon_worker.py", 4, str(tmp_path / "four"), "--resume", checkpoint)
+    run("whole_matrix_worker.py", 2, str(tmp_path / "two"), "--save", checkpoint)
+    run("whole_matrix_worker.py", 4, str(tmp_path / "four"), "--resume", checkpoint)
     two, four = load_result(str(tmp_path / "two")), load_result(str(tmp_path / "four"))
     assert two["groups"] == [6, 8]  # 2 blocks x (up, down, experts) to Muon; embeddings, head, norms, biases AdamW
     # The negative control: torch.optim.Muon on row shards runs and is wrong (1.1e-3 measured).
@@ -92,6 +93,9 @@ def test_sharded_muon_is_bit_exact_at_2_and_4_ranks_hsdp_and_after_resume_at_ano
     for result, scenario in ((two, "fsdp"), (four, "fsdp"), (four, "hsdp"), (four, "resume")):
         assert result[scenario]["max_diff"] == 0.0, (scenario, result)
     assert four["resumed_momentum_is_dtensor"]
+    # Adafactor's statistics are sums over the group: exact up to the order of fp32 additions.
+    for result, scenario in ((two, "adafactor_fsdp"), (four, "adafactor_fsdp"), (four, "adafactor_hsdp")):
+        assert result[scenario]["max_diff"] <= 1e-6, (scenario, result)
 
 
 @pytest.fixture(scope="module")

@@ -130,9 +130,14 @@ def scenario(name: str) -> Any:
         return SCENARIOS[name]
     optim, _, what = name.removeprefix("optim=").partition(":")
     label = name.replace("=", "_").replace(":", "_")
+    extra: dict[str, Any] = {"optim": optim}
+    if optim.startswith(("galore", "apollo")):  # they project only the modules named here
+        extra["optim_target_modules"] = ["self_attn", "mlp"]
+        # A rank below the matrices' sizes and a new projection every other step, so the projection matters.
+        extra["optim_args"] = "rank=4, update_proj_gap=2"
     if what == "resume":
-        return lambda: resume(label, args={"optim": optim})
-    return lambda: train(label, args={"optim": optim})
+        return lambda: resume(label, args=extra)
+    return lambda: train(label, args=extra)
 
 
 def main() -> None:

@@ -1,11 +1,12 @@
-"""hf_fsdp2's Muon on fully_shard'ed parameters against torch.optim.Muon + AdamW in one process.
+"""Optimizers that read whole matrices, on fully_shard'ed parameters, against their own one-process runs: hf_fsdp2's
+Muon against torch.optim.Muon + AdamW, ShardedAdafactor against transformers' Adafactor.
 
-Usage: muon_worker.py OUT [--save DIR] [--resume DIR]. Every rank also computes the one-process reference itself
+Usage: whole_matrix_worker.py OUT [--save DIR] [--resume DIR]. Every rank also computes the one-process reference itself
 (the model is tiny). Gradients are a fixed function of the weights (`synthetic_grads`), elementwise, so every rank
 and the reference see the same gradient bits: what is compared is the optimizer alone, and it must be bit-exact.
 Scenarios: 1-D mesh (FSDP) and, at 4 ranks, a 2x2 mesh (HSDP). `--save` writes a DCP checkpoint of model and
 optimizer after SAVE_AT steps; `--resume` loads one (written at any world size) and runs the remaining steps.
-Rank 0 writes OUT/result.json: {scenario: {"max_diff": ..., "owners": ...}}.
+Rank 0 writes OUT/result.json: {scenario: {"max_diff": ...}}.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
+from transformers.optimization import Adafactor
 
+from hf_fsdp2.adafactor import ShardedAdafactor
 from hf_fsdp2.muon import Muon, make_shard_exact
 
 STEPS, SAVE_AT = 5, 3
@@ -93,6 +96,20 @@ def reference(steps: int) -> dict[str, torch.Tensor]:
     return {k: torch.stack(v) if k.endswith("experts") else v[0] for k, v in state.items()}
 
 
+def adafactor(mesh: dist.DeviceMesh | None) -> float | nn.Module:
+    """transformers' Adafactor (as Trainer's optim='adafactor' builds it) in one process, or ShardedAdafactor."""
+    torch.manual_seed(0)
+    model = Net()
+    if mesh is not None:
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    cls = ShardedAdafactor if mesh is not None else Adafactor
+    optimizer = cls(model.parameters(), lr=1e-2, scale_parameter=False, relative_step=False, weight_decay=0.01)
+    run(0, STEPS, model, optimizer)
+    return model
+
+
 def sharded(mesh: dist.DeviceMesh) -> tuple[nn.Module, torch.optim.Optimizer]:
     """The same model (same seed) under fully_shard, each block its own unit, and hf_fsdp2's routed Muon."""
     torch.manual_seed(0)
@@ -150,6 +167,9 @@ def main() -> None:
         model, optimizer = sharded(mesh)
         run(0, STEPS, model, optimizer)
         results[name] = {"max_diff": max_diff(model, expected)}
+    whole_adafactor = {n: p.detach().clone() for n, p in adafactor(None).named_parameters()}
+    for name, mesh in meshes.items():
+        results[f"adafactor_{name}"] = {"max_diff": max_diff(adafactor(mesh), whole_adafactor)}
     for name, exact in (("torch_muon_on_shards", False), ("torch_muon_made_exact", True)):
         model, optimizers = torch_optimizers(meshes["fsdp"], exact)
         run(0, STEPS, model, *optimizers)
