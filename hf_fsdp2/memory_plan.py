@@ -341,7 +341,7 @@ def activation_bound(request: PlanRequest, config: Any) -> int | None:
     return kept + 4 * logit_tokens * config.vocab_size * 4 + 4 * tokens * hidden * 4 + weight_grads
 
 
-def log_memory_plan(model: nn.Module, args: Any, config: Any, dataset: Any) -> None:
+def log_memory_plan(model: nn.Module, args: Any, config: Any, dataset: Any, optim: str | None = None) -> None:
     """Log the planned training peak per rank beside the memory available; warn when it will not fit.
 
     For a causal LM whose batches hold `input_ids` (the sequence length is the first example's). A model
@@ -359,8 +359,9 @@ def log_memory_plan(model: nn.Module, args: Any, config: Any, dataset: Any) -> N
             "", nproc=nproc, hsdp=config.hsdp_replicate_size, bf16=bool(args.bf16),
             batch=args.per_device_train_batch_size, seq=seq, cpu_offload=config.cpu_offload,
             activation_checkpointing=config.fsdp_activation_checkpointing or bool(args.gradient_checkpointing),
-            optim=str(getattr(args.optim, "value", args.optim)), qlora=any(is_nf4(p) for p in model.parameters()),
-            loss_chunk_size=config.effective_loss_chunk_size, sequence_parallel=config.sequence_parallel_size,
+            optim=optim or str(getattr(args.optim, "value", args.optim)),
+            qlora=any(is_nf4(p) for p in model.parameters()), loss_chunk_size=config.effective_loss_chunk_size,
+            sequence_parallel=config.sequence_parallel_size,
         )  # fmt: skip
         _validate(request)
         base, lora = _base_and_lora(model)

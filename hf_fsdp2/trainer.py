@@ -92,6 +92,7 @@ from .from_accelerate import resolve_config
 from .live_export import save_pretrained_sharded, write_model_files
 from .memory_plan import log_memory_plan
 from .model import clip_grad_norm, prepare_model
+from .muon import Muon
 from .optimizers import adapt_optimizer, check_optim
 from .preemption import Preempted, PreemptionCallback, PreemptionWatcher
 from .resume import find_resume_checkpoint
@@ -180,7 +181,9 @@ class FSDP2Mixin:
             resume_from_checkpoint = find_resume_checkpoint(self.args.output_dir)
         if is_rank0() and not self._memory_plan_logged:
             self._memory_plan_logged = True
-            log_memory_plan(self.model, self.args, self.fsdp2_config, self.train_dataset)
+            # hf_fsdp2.Muon given as optimizer_cls_and_kwargs: plan its state, not that of args.optim.
+            optim = "muon" if (self.optimizer_cls_and_kwargs or (None,))[0] is Muon else None
+            log_memory_plan(self.model, self.args, self.fsdp2_config, self.train_dataset, optim)
         with self._preemption.watching():
             return super().train(resume_from_checkpoint, *args, **kwargs)
 
