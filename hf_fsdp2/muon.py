@@ -11,7 +11,7 @@ factory, reads only module types).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -116,8 +116,9 @@ class _Exchange:
         padded[: update.size(0)] = update
         self.jobs.append(dict(padded=padded, out=out, rows=rows, group=group, owner=owner, rank=rank, size=size, ns=ns))
 
-    def run(self) -> None:
-        """Gather every queued matrix on its owner, orthogonalise the owned ones, scatter the results back."""
+    def run(self, local_work: Callable[[], None]) -> None:
+        """Gather every queued matrix on its owner, orthogonalise the owned ones (and run `local_work`: the matrices
+        whole on this rank), scatter the results back."""
         works = []
         for job in self.jobs:
             mine = job["rank"] == job["owner"]
@@ -126,7 +127,7 @@ class _Exchange:
             works.append(dist.gather(job["padded"], job["parts"], dst=dst, group=job["group"], async_op=True))
         for work in works:
             work.wait()
-        failure = self._orthogonalise_owned()
+        failure = self._orthogonalise_owned(local_work)
         works = []
         for job in self.jobs:
             src = dist.get_global_rank(job["group"], job["owner"])
@@ -138,9 +139,11 @@ class _Exchange:
             job["out"].copy_(job["padded"][: job["out"].size(0)])
         self._agree(failure)
 
-    def _orthogonalise_owned(self) -> str | None:
-        """Orthogonalise the matrices this rank owns; the error, if any (raised once every rank has it)."""
+    def _orthogonalise_owned(self, local_work: Callable[[], None]) -> str | None:
+        """Orthogonalise the matrices this rank owns and run `local_work`; the error, if any (raised once every
+        rank knows of it)."""
         try:
+            local_work()
             for job in self.jobs:
                 if job["parts"] is not None:  # the owner: the whole matrix, sent back in the same row blocks
                     whole = torch.cat(job["parts"])
@@ -166,12 +169,16 @@ class _Exchange:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
             failed = failed or bool(flag.item())
         if failed:
-            raise RuntimeError(f"Muon's Newton–Schulz failed on an owner rank: {failure or 'see that rank'}")
+            where = f"on this rank: {failure}" if failure else "on another rank of a shard group (see its log)"
+            raise RuntimeError(f"Muon's Newton–Schulz step failed {where}")
 
 
-def muon_step(state: dict[torch.Tensor, dict[str, Any]], groups: Iterable[dict[str, Any]]) -> None:
-    """One Muon step of every parameter with a gradient in `groups` (keys as torch.optim.Muon's param groups)."""
-    exchange, updates = _Exchange(), []
+def muon_step(state: dict[torch.Tensor, dict[str, Any]], groups: Iterable[dict[str, Any]]) -> int:
+    """One Muon step of every parameter with a gradient in `groups` (keys as torch.optim.Muon's param groups).
+
+    Returns the number of split matrices this rank orthogonalised as their owner (owner balance is checked by tests).
+    """
+    exchange, updates, whole = _Exchange(), [], []
     for group in groups:
         momentum = group["momentum"]
         ns = (group["ns_coefficients"], group["ns_steps"], group["eps"], group.get("ns_dtype", "bfloat16"))
@@ -193,14 +200,22 @@ def muon_step(state: dict[torch.Tensor, dict[str, Any]], groups: Iterable[dict[s
                 out = torch.empty_like(update)
                 exchange.add(update, out, param.shape[0], ns, *shards)
             else:  # whole here: an unsharded matrix, or whole experts (a stack split by its first dim)
-                out = orthogonalise(update, *ns)
+                out = torch.empty_like(update)
+                whole.append((update, out, ns))
             updates.append((param, out, group))
-    exchange.run()
+
+    def local_work() -> None:
+        for update, out, ns in whole:
+            out.copy_(orthogonalise(update, *ns))
+
+    # NOTE: the local matrices run inside the exchange, so an error there too reaches every rank before any waits.
+    exchange.run(local_work)
     for param, out, group in updates:
         rows, cols = param.shape[-2:]
         local = _local(param)
         local.mul_(1 - group["lr"] * group["weight_decay"])
         local.add_(out, alpha=-adjusted_lr(group["lr"], group["adjust_lr_fn"], rows, cols))
+    return sum(job["rank"] == job["owner"] for job in exchange.jobs)
 
 
 def adamw_step(state: dict[torch.Tensor, dict[str, Any]], group: dict[str, Any]) -> None:
@@ -263,7 +278,7 @@ class MuonAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        muon_step(self.state, [g for g in self.param_groups if g["use_muon"]])
+        self.owned_last_step = muon_step(self.state, [g for g in self.param_groups if g["use_muon"]])
         for group in self.param_groups:
             if not group["use_muon"]:
                 adamw_step(self.state, group)
@@ -280,7 +295,7 @@ class ShardedTorchMuon(torch.optim.Muon):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        muon_step(self.state, self.param_groups)
+        self.owned_last_step = muon_step(self.state, self.param_groups)
         return loss
 
 

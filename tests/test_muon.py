@@ -93,6 +93,13 @@ def test_sharded_muon_is_bit_exact_at_2_and_4_ranks_hsdp_and_after_resume_at_ano
     for result, scenario in ((two, "fsdp"), (four, "fsdp"), (four, "hsdp"), (four, "resume")):
         assert result[scenario]["max_diff"] == 0.0, (scenario, result)
     assert four["resumed_momentum_is_dtensor"]
+    # Owner-based: the 4 split matrices (2 blocks x up, down; experts are whole here) are dealt out by size, each
+    # orthogonalised by exactly one rank, not every rank gathering every matrix.
+    assert sum(two["owned"]) == 4 and max(two["owned"]) == 2
+    assert sum(four["owned"]) == 4 and max(four["owned"]) == 1
+    # An owner that fails makes every rank raise (the others would otherwise wait in the scatter forever).
+    for result in (two, four):  # rank 0 writes the result: it names the other rank's failure
+        assert result["owner_failure"].startswith("Muon's Newton–Schulz step failed on another rank")
     # Adafactor's statistics are sums over the group: exact up to the order of fp32 additions.
     for result, scenario in ((two, "adafactor_fsdp"), (four, "adafactor_fsdp"), (four, "adafactor_hsdp")):
         assert result[scenario]["max_diff"] <= 1e-6, (scenario, result)

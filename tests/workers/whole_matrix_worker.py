@@ -110,6 +110,32 @@ def adafactor(mesh: dist.DeviceMesh | None) -> float | nn.Module:
     return model
 
 
+def owned_per_rank(mesh: dist.DeviceMesh) -> list[int]:
+    """How many split matrices each rank orthogonalised as owner in one step (NOTE: collective)."""
+    model, optimizer = sharded(mesh)
+    run(0, 1, model, optimizer)
+    counts = [0] * dist.get_world_size()
+    dist.all_gather_object(counts, optimizer.owned_last_step)
+    return counts
+
+
+def owner_failure(mesh: dist.DeviceMesh) -> str:
+    """Newton–Schulz raising on rank 1 only: every rank must raise, none may wait for the others forever."""
+    import hf_fsdp2.muon as muon
+
+    model, optimizer = sharded(mesh)
+    original = muon.orthogonalise
+    if dist.get_rank() == 1:
+        muon.orthogonalise = lambda *args: (_ for _ in ()).throw(FloatingPointError("injected on rank 1"))
+    try:
+        run(0, 1, model, optimizer)
+    except RuntimeError as error:
+        return str(error)
+    finally:
+        muon.orthogonalise = original
+    return "no error"
+
+
 def sharded(mesh: dist.DeviceMesh) -> tuple[nn.Module, torch.optim.Optimizer]:
     """The same model (same seed) under fully_shard, each block its own unit, and hf_fsdp2's routed Muon."""
     torch.manual_seed(0)
@@ -167,6 +193,8 @@ def main() -> None:
         model, optimizer = sharded(mesh)
         run(0, STEPS, model, optimizer)
         results[name] = {"max_diff": max_diff(model, expected)}
+    results["owned"] = owned_per_rank(meshes["fsdp"])
+    results["owner_failure"] = owner_failure(meshes["fsdp"])
     whole_adafactor = {n: p.detach().clone() for n, p in adafactor(None).named_parameters()}
     for name, mesh in meshes.items():
         results[f"adafactor_{name}"] = {"max_diff": max_diff(adafactor(mesh), whole_adafactor)}
