@@ -25,9 +25,11 @@ ELEMENTWISE_STATES: dict[str, int] = {
     "schedule_free_sgd": 1,  # z
     **dict.fromkeys(["sgd", "lomo"], 0),  # Trainer's SGD has no momentum; LOMO steps inside backward
 }
-# torchao's low-bit AdamW: bytes per element of each state's codes, its block size, and the smallest tensor it
-# quantises (smaller ones, or sizes that are not a whole number of blocks, keep fp32 states).
-LOW_BIT: dict[str, tuple[float, int]] = {"adamw_torch_8bit": (1.0, 256), "adamw_torch_4bit": (0.5, 128)}
+# torchao's low-bit AdamW: bytes per element of each state's codes, its block size, the entries of the fp32 code
+# table each quantised state carries, and the smallest shard it
+# quantises (smaller ones, or sizes that are not a whole number of blocks, keep fp32 states; torchao decides on each
+# rank's local tensor, so more ranks can mean fewer quantised tensors).
+LOW_BIT: dict[str, tuple[float, int, int]] = {"adamw_torch_8bit": (1.0, 256, 256), "adamw_torch_4bit": (0.5, 128, 16)}
 LOW_BIT_MIN_NUMEL = 4096
 FP32 = 4
 PLANNED = sorted([*ELEMENTWISE_STATES, *LOW_BIT, "adafactor", "muon"])
@@ -49,7 +51,7 @@ def state_bytes(
     if optim in ELEMENTWISE_STATES:
         return int(ELEMENTWISE_STATES[optim] * element_bytes * sum(math.prod(s) for s in shapes) / shard)
     if optim in LOW_BIT:
-        return int(sum(_low_bit(optim, math.prod(s)) for s in shapes) / shard)
+        return int(sum(_low_bit(optim, _local_numel(s, shard)) for s in shapes))
     if optim == "adafactor":
         return int(sum(_adafactor(s, shard) for s in shapes))
     if optim == "muon":
@@ -58,12 +60,20 @@ def state_bytes(
     raise ValueError(f"--optim {optim!r}: the planner knows {PLANNED}.")
 
 
+def _local_numel(shape: Shape, shard: int) -> int:
+    """Elements of rank 0's row block of a tensor split over `shard` ranks (torch.chunk: the largest block)."""
+    if not shape:
+        return 1
+    return -(-shape[0] // shard) * math.prod(shape[1:])
+
+
 def _low_bit(optim: str, numel: int) -> float:
-    """Two states (both moments) of one tensor under torchao's low-bit AdamW."""
-    code_bytes, block = LOW_BIT[optim]
+    """Two states (both moments) of one tensor (a rank's shard) under torchao's low-bit AdamW, which decides per
+    shard whether to quantise."""
+    code_bytes, block, codes = LOW_BIT[optim]
     if numel < LOW_BIT_MIN_NUMEL or numel % block:
         return 2 * FP32 * numel
-    return 2 * (code_bytes * numel + FP32 * numel / block)
+    return 2 * (code_bytes * numel + FP32 * numel / block + FP32 * codes)
 
 
 def _adafactor(shape: Shape, shard: int) -> float:

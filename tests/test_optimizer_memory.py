@@ -82,7 +82,7 @@ def test_planned_state_matches_what_the_optimizer_allocates(optim):
     muon = [tuple(p.shape) for p in split_for_muon(model)[0]]
     planned = state_bytes(optim, shapes, 4, 1, muon)
     real = measured(_optimizers()[optim](model), model)
-    assert planned == pytest.approx(real, rel=0.02, abs=1024), (optim, planned, real)
+    assert planned == pytest.approx(real, rel=0.02), (optim, planned, real)
 
 
 def test_each_family_is_sized_by_its_own_layout():
@@ -91,12 +91,20 @@ def test_each_family_is_sized_by_its_own_layout():
     ratio = {optim: state_bytes(optim, SHAPES, 4, 4, muon=SHAPES[:2]) / adamw for optim in PLANNED}
     assert ratio["lion_32bit"] == 0.5 and ratio["sgd"] == 0.0 and ratio["schedule_free_adamw"] == 1.0
     assert ratio["ademamix"] == 1.5
-    assert 0.25 < ratio["adamw_torch_8bit"] < 0.26  # 1 byte per element and state + a fp32 scale per 256
+    assert 0.25 < ratio["adamw_torch_8bit"] < 0.27  # 1 byte per element and state + a fp32 scale per 256
     assert 0.13 < ratio["adamw_torch_4bit"] < 0.14  # half a byte + a fp32 scale per 128
     assert ratio["adafactor"] < 0.02  # a row and a column statistic per matrix (columns on every rank)
     muon_elements = 2 * 512 * 256
     others = 256 + 1000 * 256
     assert ratio["muon"] == pytest.approx((muon_elements + 2 * others) / (2 * (muon_elements + others)))
+
+
+def test_torchao_quantises_a_shard_only_when_the_shard_is_large_enough():
+    """torchao decides on each rank's local tensor: a 64x128 matrix is quantised at 2 ranks (4096 elements each),
+    not at 4 (2048)."""
+    two, four = state_bytes("adamw_torch_4bit", [(64, 128)], 4, 2), state_bytes("adamw_torch_4bit", [(64, 128)], 4, 4)
+    assert two == 2 * (0.5 * 4096 + 4 * 4096 / 128 + 4 * 16)  # codes, a scale per block, the 16-entry code table
+    assert four == 2 * 4 * 2048
 
 
 def test_an_optimizer_the_planner_cannot_size_is_named():

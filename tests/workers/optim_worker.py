@@ -62,7 +62,24 @@ def train(name: str, **kwargs: Any) -> dict[str, Any]:
     """Train 4 steps; losses and gathered weights."""
     trainer = TrainerClass(model(), args(name, **kwargs.pop("args", {})), train_dataset=make_dataset(32, 96), **kwargs)
     trainer.train()
-    return {"losses": losses(trainer), "weights": full_weights(trainer.model), "optimizer": _optimizer_name(trainer)}
+    result = {"losses": losses(trainer), "weights": full_weights(trainer.model), "optimizer": _optimizer_name(trainer)}
+    result["per_rank"] = {"state_bytes": _state_bytes(trainer)}  # differs by world size: not compared
+    return result
+
+
+def _state_bytes(trainer: Trainer) -> int:
+    """Bytes of this rank's optimizer state (local shards; torchao's quantised codes and scales)."""
+    from torch.distributed.tensor import DTensor
+
+    def size(tensor: torch.Tensor) -> int:
+        if isinstance(tensor, DTensor):
+            return size(tensor.to_local())
+        if hasattr(tensor, "__tensor_flatten__") and type(tensor) is not torch.Tensor:
+            return sum(size(getattr(tensor, name)) for name in tensor.__tensor_flatten__()[0])
+        return tensor.numel() * tensor.element_size()
+
+    optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    return sum(size(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.ndim > 0)
 
 
 def _optimizer_name(trainer: Trainer) -> str:
