@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from .gathering import gathered
     from .memory_plan import plan
     from .model import prepare_model
+    from .muon import Muon, MuonAdamW
     from .skeleton import from_pretrained
     from .trainer import FSDP2Mixin, FSDP2Trainer
 
@@ -44,6 +45,8 @@ _EXPORTS = {
     "FSDP2Config": "config",
     "FSDP2Mixin": "trainer",
     "FSDP2Trainer": "trainer",
+    "Muon": "muon",
+    "MuonAdamW": "muon",
     "close_distributed": "distributed",
     "consolidate": "consolidation",
     "from_pretrained": "skeleton",
@@ -58,6 +61,8 @@ __all__ = [
     "FSDP2Config",
     "FSDP2Mixin",
     "FSDP2Trainer",
+    "Muon",
+    "MuonAdamW",
     "close_distributed",
     "consolidate",
     "from_pretrained",

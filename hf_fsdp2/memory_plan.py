@@ -28,13 +28,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from .optimizer_memory import PLANNED, STEP_TEMPORARIES, state_bytes
 from .skeleton import auto_class_for
 
 GIB = 2**30
-# Optimizer state per trainable element, in units of the parameter's own size.
-OPTIMIZER_STATES = {"adamw_torch": 2, "adamw_torch_fused": 2, "adamw_hf": 2, "sgd": 0, "adagrad": 1, "rmsprop": 1}
-# What foreach/fused optimizer steps allocate on top (intermediate lists the size of the gradients).
-_STEP_TEMPORARIES = {"adamw_torch": 1, "adamw_torch_fused": 0, "adamw_hf": 1, "sgd": 0, "adagrad": 1, "rmsprop": 1}
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 # What a rank's resident set grows by, above the after-import baseline, beyond the tensors: library code paged
 # in on first use, the process group, DCP planning. Measured with scripts/measure/validate_plan.py's worker on an 8 MiB
@@ -141,6 +138,10 @@ class ModelSizes:
     # QLoRA: NF4 elements in the largest unit, and the largest NF4 weight (dequantized whole in each F.linear).
     largest_unit_nf4_numel: int = 0
     largest_nf4_numel: int = 0
+    # Shapes of the trainable parameters, and of those hf_fsdp2.Muon gives to Muon (optimizer state by real size);
+    # none given: the trainable elements count as one vector.
+    trainable_shapes: tuple[tuple[int, ...], ...] = ()
+    muon_shapes: tuple[tuple[int, ...], ...] = ()
     params_numel: int = 0  # every parameter's elements (the gathered model of generate)
 
 
@@ -226,8 +227,8 @@ def _validate(request: PlanRequest) -> None:
             "cpu_offload: a run without accelerators has nothing to offload (FSDP2Trainer refuses it there); plan "
             "without it, or plan a GPU run from this machine with --gpu (plan(..., cpu=False))."
         )
-    if request.optim not in OPTIMIZER_STATES:
-        raise ValueError(f"--optim {request.optim!r}: the planner knows {sorted(OPTIMIZER_STATES)}.")
+    if request.optim not in PLANNED:
+        raise ValueError(f"--optim {request.optim!r}: the planner knows {PLANNED}.")
     if request.nproc < 1 or request.hsdp < 1 or request.nproc % request.hsdp:
         raise ValueError(f"--hsdp {request.hsdp} must divide --nproc {request.nproc} (both >= 1).")
     if request.sequence_parallel < 1 or request.nproc % request.sequence_parallel:
@@ -262,6 +263,7 @@ def skeleton_sizes(config: Any, lora: Any, bf16: bool, nf4_shards: int | None = 
     with `nf4_shards`, the weights that are NF4 at that shard count are counted in NF4 bytes (QLoRA)."""
     from .config import FSDP2Config
     from .loading import needs_conversion
+    from .muon import split_for_muon
     from .nf4 import nf4_candidates
     from .sharding import block_classes, select_units
 
@@ -299,6 +301,8 @@ def skeleton_sizes(config: Any, lora: Any, bf16: bool, nf4_shards: int | None = 
         rank0_load_bytes=sum(p.numel() * p.element_size() for p in model.parameters()) if converted else 0,
         largest_unit_nf4_numel=max((sum(p.numel() for p in u.parameters() if id(p) in nf4) for u in units), default=0),
         largest_nf4_numel=max((p.numel() for p in nf4.values()), default=0),
+        trainable_shapes=tuple(tuple(p.shape) for p in trainable),
+        muon_shapes=tuple(tuple(p.shape) for p in split_for_muon(model)[0]),
     )
 
 
@@ -337,7 +341,7 @@ def activation_bound(request: PlanRequest, config: Any) -> int | None:
     return kept + 4 * logit_tokens * config.vocab_size * 4 + 4 * tokens * hidden * 4 + weight_grads
 
 
-def log_memory_plan(model: nn.Module, args: Any, config: Any, dataset: Any) -> None:
+def log_memory_plan(model: nn.Module, args: Any, config: Any, dataset: Any, optim: str | None = None) -> None:
     """Log the planned training peak per rank beside the memory available; warn when it will not fit.
 
     For a causal LM whose batches hold `input_ids` (the sequence length is the first example's). A model
@@ -355,8 +359,9 @@ def log_memory_plan(model: nn.Module, args: Any, config: Any, dataset: Any) -> N
             "", nproc=nproc, hsdp=config.hsdp_replicate_size, bf16=bool(args.bf16),
             batch=args.per_device_train_batch_size, seq=seq, cpu_offload=config.cpu_offload,
             activation_checkpointing=config.fsdp_activation_checkpointing or bool(args.gradient_checkpointing),
-            optim=str(getattr(args.optim, "value", args.optim)), qlora=any(is_nf4(p) for p in model.parameters()),
-            loss_chunk_size=config.effective_loss_chunk_size, sequence_parallel=config.sequence_parallel_size,
+            optim=optim or str(getattr(args.optim, "value", args.optim)),
+            qlora=any(is_nf4(p) for p in model.parameters()), loss_chunk_size=config.effective_loss_chunk_size,
+            sequence_parallel=config.sequence_parallel_size,
         )  # fmt: skip
         _validate(request)
         base, lora = _base_and_lora(model)
@@ -440,8 +445,8 @@ def phases_for(request: PlanRequest, sizes: ModelSizes, activations: int) -> lis
     reduce = 4
     params = sizes.params_bytes // shard
     grads = sizes.trainable_bytes // shard
-    optimizer = OPTIMIZER_STATES[request.optim] * sizes.trainable_bytes // shard
-    step_temp = _STEP_TEMPORARIES[request.optim] * grads
+    optimizer = _optimizer_state(request.optim, sizes, shard)
+    step_temp = STEP_TEMPORARIES.get(request.optim, 1) * grads
     # NOTE: even on one rank FSDP2 all-gathers into separate unsharded parameters.
     # QLoRA: NF4 weights are gathered in 4 bits and dequantized one weight at a time inside F.linear.
     dense_unit = sizes.largest_unit_numel - sizes.largest_unit_nf4_numel
@@ -485,6 +490,13 @@ def phases_for(request: PlanRequest, sizes: ModelSizes, activations: int) -> lis
         phases.append(Phase("generation: gathering (once per call)", {**resident, **gathering, **trained}))
         phases.append(Phase("generation: tokens", {**resident, **tokens, **trained}))
     return phases
+
+
+def _optimizer_state(optim: str, sizes: ModelSizes, shard: int) -> int:
+    """Bytes of optimizer state per rank, by each optimizer's real layout (optimizer_memory)."""
+    shapes = sizes.trainable_shapes or ((sizes.trainable_numel,),)
+    element = sizes.trainable_bytes / max(sizes.trainable_numel, 1)
+    return state_bytes(optim, shapes, element, shard, sizes.muon_shapes)
 
 
 def _generation(request: PlanRequest, sizes: ModelSizes) -> tuple[dict[str, int], dict[str, int]]:

@@ -34,6 +34,9 @@ This is the only module that knows Trainer/Accelerate internals. Every private h
   this rank's slice of that member's rows, inside Ulysses attention (tests/test_sequence_parallel.py).
 - `create_optimizer`: reshard first, because a forward under no_grad (evaluate) leaves the root and the last block
   gathered and an optimizer built then holds the wrong tensors (tests/test_trainer.py evaluate-then-train).
+  `args.optim` must have a verdict that is not "refused" (`optimizers.OPTIM_VERDICTS`), and the optimizer built (or
+  passed in `optimizers`) is made exact on shards in place: torch.optim.Muon and transformers' Adafactor become
+  their shard-exact twins, bitsandbytes' step each rank's local shard (tests/test_muon.py, tests/test_optimizers.py).
 - `model_accepts_loss_kwargs`: cleared when the model's loss ignores `num_items_in_batch`, else
   Trainer multiplies such losses by the world size (tests/test_parity.py classification); set when a model marked
   `accepts_loss_kwargs = False` still hands **kwargs to its `loss_function` (tests/test_vlm.py qwen2_5_vl).
@@ -101,6 +104,8 @@ from .from_accelerate import resolve_config
 from .live_export import save_pretrained_sharded, write_model_files
 from .memory_plan import log_memory_plan
 from .model import clip_grad_norm, prepare_model
+from .muon import Muon
+from .optimizers import adapt_optimizer, check_optim
 from .path_models import PLACEMENT_KWARGS, check_all_sharded, loading_for_real, skeletons_for_paths
 from .preemption import Preempted, PreemptionCallback, PreemptionWatcher
 from .resume import find_resume_checkpoint
@@ -164,6 +169,7 @@ class FSDP2Mixin:
             )
         if self.optimizer is not None:
             repoint_optimizer(self.optimizer, self._original_names, self.model)
+            adapt_optimizer(_unwrap_optimizer(self.optimizer))
             guard_optimizer(self.model, _unwrap_optimizer(self.optimizer))
         self._preemption = PreemptionWatcher(
             self.fsdp2_config.checkpoint_on_signals, self.fsdp2_config.signal_check_steps
@@ -199,7 +205,9 @@ class FSDP2Mixin:
             resume_from_checkpoint = find_resume_checkpoint(self.args.output_dir)
         if is_rank0() and not self._memory_plan_logged:
             self._memory_plan_logged = True
-            log_memory_plan(self.model, self.args, self.fsdp2_config, self.train_dataset)
+            # hf_fsdp2.Muon given as optimizer_cls_and_kwargs: plan its state, not that of args.optim.
+            optim = "muon" if (self.optimizer_cls_and_kwargs or (None,))[0] is Muon else None
+            log_memory_plan(self.model, self.args, self.fsdp2_config, self.train_dataset, optim)
         with self._preemption.watching():
             return super().train(resume_from_checkpoint, *args, **kwargs)
 
@@ -345,7 +353,10 @@ class FSDP2Mixin:
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         """Build the optimizer over the sharded parameters (reshard first: see module docstring)."""
         reshard_all(self.model)
+        if self.optimizer is None and self.optimizer_cls_and_kwargs is None:
+            check_optim(self.args.optim)
         optimizer = super().create_optimizer(model)
+        adapt_optimizer(_unwrap_optimizer(optimizer))
         guard_optimizer(self.model, _unwrap_optimizer(optimizer))
         return optimizer
 

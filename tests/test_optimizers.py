@@ -1,0 +1,150 @@
+"""Every `TrainingArguments(optim=...)` value under FSDP2Trainer: exact against plain Trainer in one process, or
+refused at construction with the reason and an alternative.
+
+The verdict table (hf_fsdp2/optimizers.py) must cover every value of transformers' OptimizerNames, so a value added
+by a later transformers gets a verdict before anyone can use it. tests/workers/optim_worker.py trains a tiny Llama
+4 steps with each value whose package is installed: plain Trainer in one process (the reference), FSDP2Trainer at 2
+ranks, then FSDP2Trainer in one process, which also resumes the checkpoints the 2-rank run wrote.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import pytest
+import torch
+from transformers.training_args import OptimizerNames
+
+from hf_fsdp2.optimizers import OPTIM_VERDICTS, check_optim
+from tests.launch import run
+
+TOLERANCE = 1e-5
+RESUMED = ["adafactor", "lion_32bit", "ademamix"]  # one of each kind that needs an adapter, resumed
+TORCHAO = ["adamw_torch_8bit", "adamw_torch_4bit"]  # each in its own launch and compile cache (see the fixture)
+
+
+def installed(optim: str) -> bool:
+    package = OPTIM_VERDICTS[optim].package
+    return not package or importlib.util.find_spec(package) is not None
+
+
+def test_every_optimizer_name_of_transformers_has_a_verdict():
+    names = {member.value for member in OptimizerNames}
+    missing = sorted(names - set(OPTIM_VERDICTS))
+    assert not missing, f"transformers added optim values without a verdict in hf_fsdp2.optimizers: {missing}"
+    assert sorted(set(OPTIM_VERDICTS) - names) == []
+    for name, verdict in OPTIM_VERDICTS.items():
+        assert verdict.kind in ("shards", "local_shards", "whole_matrix", "refused")
+        assert verdict.reason, name
+        assert verdict.kind != "refused" or verdict.alternative, f"{name}: a refusal names an alternative"
+
+
+def test_refused_and_unknown_values_fail_naming_the_value_the_reason_and_an_alternative():
+    with pytest.raises(ValueError, match=r"optim='adamw_bnb_8bit' is refused .*blocks.* Use optim='adamw_torch_8bit'"):
+        check_optim(OptimizerNames.ADAMW_BNB)
+    with pytest.raises(ValueError, match=r"optim='apollo_adamw' is refused .*mixed torch.Tensor and DTensor.* Use "):
+        check_optim("apollo_adamw")
+    with pytest.raises(ValueError, match=r"optim='adamw_future' has no verdict"):
+        check_optim("adamw_future")
+    assert check_optim("adafactor").kind == "whole_matrix"
+
+
+def _trained_values() -> list[str]:
+    return [n for n, v in OPTIM_VERDICTS.items() if v.kind != "refused" and n not in TORCHAO and installed(n)]
+
+
+def _refused_values() -> list[str]:
+    """Refusals come before the optimizer (and its package) is built: every refused value is tried."""
+    return [n for n, v in OPTIM_VERDICTS.items() if v.kind == "refused"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory, tiny) -> dict[str, dict]:
+    """{"plain-1" | "fsdp2-2" | "fsdp2-1": {scenario: result}}; torchao's runs under their own key per value."""
+    out = tmp_path_factory.mktemp("optim")
+    llama = tiny("llama")
+    scenarios = [f"optim={n}" for n in _trained_values()] + [f"optim={n}:resume" for n in RESUMED if installed(n)]
+    refusals = [f"optim={n}" for n in _refused_values()]
+    for mode, nproc, extra in (("plain", 0, []), ("fsdp2", 2, refusals), ("fsdp2", 0, [])):
+        run("optim_worker.py", nproc, mode, str(out), llama, *scenarios, *extra, timeout=1200)
+    results = {}
+    for name in ("plain-1", "fsdp2-2", "fsdp2-1"):
+        with open(os.path.join(out, f"{name}.json")) as f:
+            results[name] = json.load(f)
+    return results
+
+
+def _difference(expected: dict, actual: dict) -> float:
+    assert "error" not in expected, expected.get("traceback")
+    assert "error" not in actual, actual.get("traceback")
+    worst = max(abs(a - b) for a, b in zip(expected["losses"], actual["losses"], strict=True))
+    for name, values in expected["weights"].items():
+        worst = max(worst, max(abs(a - b) for a, b in zip(values, actual["weights"][name], strict=True)))
+    return worst
+
+
+@pytest.mark.parametrize("optim", [n for n, v in OPTIM_VERDICTS.items() if v.kind != "refused" and n not in TORCHAO])
+def test_each_accepted_value_trains_at_2_ranks_as_plain_trainer_in_one_process(trained, optim):
+    if not installed(optim):
+        pytest.skip(f"needs {OPTIM_VERDICTS[optim].package}")
+    scenario = f"optim={optim}"
+    reference = trained["plain-1"][scenario]
+    for name in ("fsdp2-2", "fsdp2-1"):
+        assert _difference(reference, trained[name][scenario]) <= TOLERANCE, name
+    kind = OPTIM_VERDICTS[optim].kind
+    ours = trained["fsdp2-2"][scenario]["optimizer"]
+    if kind == "local_shards":
+        assert ours == f"LocalShards{reference['optimizer']}"
+    elif kind == "whole_matrix":
+        assert ours == f"Sharded{reference['optimizer']}"
+
+
+@pytest.mark.parametrize("optim", [n for n, v in OPTIM_VERDICTS.items() if v.kind == "refused"])
+def test_each_refused_value_is_refused_at_construction_with_its_reason(trained, optim):
+    error = trained["fsdp2-2"][f"optim={optim}"]["error"]
+    assert f"optim={optim!r} is refused under FSDP2Trainer: {OPTIM_VERDICTS[optim].reason}" in error
+
+
+@pytest.mark.parametrize("optim", RESUMED)
+def test_a_checkpoint_resumes_exactly_at_the_same_and_at_another_world_size(trained, optim):
+    if not installed(optim):
+        pytest.skip(f"needs {OPTIM_VERDICTS[optim].package}")
+    for name in ("plain-1", "fsdp2-2", "fsdp2-1"):
+        result = trained[name][f"optim={optim}:resume"]
+        assert "error" not in result, result.get("traceback")
+        for source, resumed in result["per_rank"].items():
+            assert resumed == pytest.approx(result["losses"][2:], abs=TOLERANCE), (name, source)
+    assert set(trained["fsdp2-1"][f"optim={optim}:resume"]["per_rank"]) == {"same", "from_2_ranks"}
+
+
+@pytest.mark.parametrize("optim", TORCHAO)
+def test_torchao_low_bit_adamw_trains_on_shards(tmp_path, monkeypatch, optim):
+    """torchao's 8-/4-bit AdamW on DTensor shards of a Llama whose matrices are quantised (>= 4096 elements), each
+    value in launches with their own compile cache.
+
+    NOTE: torchao's 4-bit and 8-bit states inside DTensors collide in torch's AOT-autograd cache: an 8-bit run after
+    a 4-bit one at 2 ranks loaded the wrong compiled kernel ("wrong number of dimensions2"; reproduced with plain
+    fully_shard). A cache directory per test keeps them apart (README Troubleshooting).
+    """
+    if not installed(optim):
+        pytest.skip("needs torchao")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    config = LlamaConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
+    for mode, nproc in (("plain", 0), ("fsdp2", 2)):
+        run("optim_worker.py", nproc, mode, str(tmp_path), str(tmp_path / "llama"), f"optim={optim}", timeout=900)
+    results = {}
+    for name in ("plain-1", "fsdp2-2"):
+        with open(tmp_path / f"{name}.json") as f:
+            results[name] = json.load(f)[f"optim={optim}"]
+    # Each shard's state is quantised in blocks of its own; where a shard does not start on a block edge of the
+    # whole tensor, block scales differ from one process's: the issue's bound for block-quantised states.
+    assert _difference(results["plain-1"], results["fsdp2-2"]) <= 2e-3
