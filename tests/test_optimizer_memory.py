@@ -123,3 +123,24 @@ def test_the_plan_command_sizes_the_optimizer_it_is_given(tiny, capsys):
     assert state["adafactor"] < state["muon"] < state["adamw_torch"]
     # Every tensor of the tiny Llama is below torchao's 4096-element threshold: its states stay fp32.
     assert state["adamw_torch_4bit"] == state["adamw_torch"]
+
+
+def test_docs_optimizer_state_table_is_the_committed_measurement():
+    """docs/full-finetuning.md's optimizer-state table is rendered from scripts/results/optimizer_state.json: re-render
+    with `python scripts/measure/measure_optimizer_state.py --from-json scripts/results/optimizer_state.json`."""
+    import json
+    import os
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.join(root, "scripts", "measure"))
+    from measure_optimizer_state import render_markdown
+
+    with open(os.path.join(root, "scripts", "results", "optimizer_state.json")) as f:
+        rows = json.load(f)["rows"]
+    with open(os.path.join(root, "docs", "full-finetuning.md")) as f:
+        page = f.read()
+    begin, end = "<!-- optimizer-state:begin -->\n", "<!-- optimizer-state:end -->"
+    assert page[page.index(begin) + len(begin) : page.index(end)].strip() == render_markdown(rows).strip()
+    muon = next(r for r in rows if r["optim"] == "muon")
+    assert muon["step_bytes"] > 0 and 0.6 < muon["vs_adamw"] < 0.8  # momentum for its matrices, AdamW for the rest
