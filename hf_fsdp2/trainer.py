@@ -1,30 +1,19 @@
 """FSDP2Mixin and FSDP2Trainer: a `transformers.Trainer` (or subclass) whose model is sharded with FSDP2
 when the trainer is built.
 
-With its parts (`trainer_step`), the only module that knows Trainer/Accelerate internals; each part lists the
-private hooks it touches. This module composes the parts (`FSDP2Mixin`); the hooks it touches itself:
-- `create_accelerator_and_postprocess`: the first thing `Trainer.__init__` calls after storing the model;
-  the model is sharded there (in place), after a subclass's own `__init__` changed it (TRL's
-  `get_peft_model`) and before Trainer reads it (tests/test_trl.py, tests/test_dropin.py).
-- `call_model_init`: each model `model_init` returns is sharded (tests/test_dropin.py model_init).
+With its parts (`trainer_sharding`, `trainer_step`), the only module that knows Trainer/Accelerate internals;
+each part lists the private hooks it touches. This module composes the parts (`FSDP2Mixin`); the hooks it touches
+itself:
 - `PreTrainedModel.from_pretrained` (patched while a subclass's `__init__` runs, when its signature takes `model` as
   a path): the models a subclass builds from paths become our skeletons in the class it asked for, sharded when
   Trainer or `prepare_model` gets them (`path_models`; tests/test_trl_built_models.py).
-- `Accelerator.prepare_model` (wrapped on the instance): an extra model a subclass prepares for evaluation
-  (DPO's reference) is sharded frozen instead of replicated (tests/test_trl.py dpo_full).
 - `is_distributed_loading_by_transformers` (set after `__init__`): Trainer's path for models sharded
   before it sees them; `_prepare_for_training` then skips Accelerate's DDP/FSDP wrap.
   Guarded by tests/test_parity.py (a second wrap fails with "mixed torch.Tensor and DTensor").
   Set after `__init__` because `__init__` refuses checkpointing for transformers' own sharded models.
-- `TrainingArguments._setup_devices` (its cached value dropped, then computed again): on a machine without
-  accelerators under torchrun, `use_cpu` is set so Accelerate sees the CPU process group
-  (tests/test_trainer.py without use_cpu at 2 ranks; tests/test_readme.py runs the README's script as written).
 - `TrainingArguments.fsdp` / `fsdp_plugin_args` and Accelerate's `FullyShardedDataParallelPlugin`: read once by
   `from_accelerate.resolve_config` in `__init__` (settings carried into FSDP2Config), then `fsdp` cleared so
   Trainer builds no FSDP plugin and nothing shards the model twice (tests/test_from_accelerate*.py).
-- `_move_model_to_device`: a no-op; sharding placed the model (moving DTensors would break offload).
-- `_build_accelerator_args`: mixed_precision="no" so Accelerate adds no autocast; precision belongs to
-  FSDP2's MixedPrecisionPolicy (tests/test_parity.py::bf16).
 - `model_accepts_loss_kwargs`: cleared when the model's loss ignores `num_items_in_batch`, else
   Trainer multiplies such losses by the world size (tests/test_parity.py classification); set when a model marked
   `accepts_loss_kwargs = False` still hands **kwargs to its `loss_function` (tests/test_vlm.py qwen2_5_vl).
@@ -70,7 +59,6 @@ from transformers.utils import logging as transformers_logging
 
 from .adapter_checkpoint import check_mergeable, check_trainable_are_saved, load_adapter, save_adapter
 from .adapters import check_supported
-from .argument_verdicts import refuse_arguments
 from .branches import guard_optimizer
 from .callbacks import ConsolidateCallback
 from .checkpoint import (
@@ -98,6 +86,11 @@ from .preemption import Preempted, PreemptionCallback, PreemptionWatcher
 from .resume import find_resume_checkpoint
 from .sequence_parallel import SequenceParallel, check_model
 from .skeleton import from_pretrained
+from .trainer_sharding import (
+    ShardingMixin,
+    _validate_args,
+    _validate_training_args,  # noqa: F401  (re-exported: tests import it from here)
+)
 from .trainer_step import (
     StepMixin,
     _check_sequence_parallel_trainer,
@@ -109,7 +102,7 @@ from .trainer_step import (
 )
 
 
-class FSDP2Mixin(StepMixin):
+class FSDP2Mixin(ShardingMixin, StepMixin):
     """Shards the model of any `Trainer` subclass with FSDP2: put it first, `class X(FSDP2Mixin, SFTTrainer)`.
 
     The model is sharded when `Trainer.__init__` first sees it (`create_accelerator_and_postprocess`), so
@@ -204,24 +197,6 @@ class FSDP2Mixin(StepMixin):
         with self._preemption.watching():
             return super().train(resume_from_checkpoint, *args, **kwargs)
 
-    def create_accelerator_and_postprocess(self) -> None:
-        """Shard the model when Trainer first sees it, then let Accelerate shard extra models too."""
-        _validate_training_args(self.args, self.fsdp2_config)
-        _adopt_cpu_process_group(self.args)
-        _check_world_size(self.args)
-        if self.model is not None:
-            # NOTE: in place; Trainer.__init__ goes on with its own reference to this same object.
-            self.model = self._shard(self.model)
-        super().create_accelerator_and_postprocess()
-        self.accelerator.prepare_model = _sharding_extra_models(self.accelerator.prepare_model, self)
-
-    def call_model_init(self, trial: Any = None) -> nn.Module:
-        """Shard each model `model_init` returns, as a model passed directly (Trainer seeds before the call)."""
-        model = super().call_model_init(trial)
-        if isinstance(model, (str, os.PathLike)):
-            model = from_pretrained(model)
-        return self._shard(model)
-
     def _shard(self, model: nn.Module) -> nn.Module:
         """Check, then shard `model` and load its weights; remember parameter names to re-point an optimizer."""
         facts = facts_of(model) if isinstance(model, FSDPModule) else describe(model)
@@ -258,15 +233,6 @@ class FSDP2Mixin(StepMixin):
     @property
     def _peft(self) -> bool:
         return facts_of(self.model).is_peft
-
-    def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
-        """Leave placement to sharding."""
-
-    def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
-        """Keep Accelerate's autocast out: FSDP2's MixedPrecisionPolicy owns precision."""
-        accelerator_args = super()._build_accelerator_args(**kwargs)
-        accelerator_args["mixed_precision"] = "no"
-        return accelerator_args
 
     # ---- save: load → shard → train → *save* → consolidate --------------------------------------------
 
@@ -455,25 +421,6 @@ _DEFAULT_SEED: int = TrainingArguments.__dataclass_fields__["seed"].default
 _NO_INIT_KWARGS = object()
 
 
-def _sharding_extra_models(
-    accelerate_prepare: Callable[..., nn.Module], trainer: FSDP2Mixin
-) -> Callable[..., nn.Module]:
-    """Wrap `Accelerator.prepare_model` so a subclass's extra model (DPO's reference) is sharded, not replicated.
-
-    Trainer itself prepares its own (already sharded) model through it; any other model prepared for
-    evaluation is frozen and sharded like the trained one (a frozen root reshards after every forward).
-    """
-
-    def prepare(model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False) -> nn.Module:
-        if evaluation_mode and model is not trainer.model and not isinstance(model, FSDPModule):
-            model.requires_grad_(False)
-            with loading_for_real():
-                return prepare_model(model, trainer.fsdp2_config, bf16=trainer.args.bf16).eval()
-        return accelerate_prepare(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
-
-    return prepare
-
-
 def _bind(init: Callable[..., None], args: tuple[Any, ...], kwargs: dict[str, Any]) -> inspect.BoundArguments:
     """Bind a trainer's constructor arguments by name; `(*args, **kwargs)` constructors bind as Trainer's."""
     signature = inspect.signature(init)
@@ -497,52 +444,6 @@ def _consolidate_callback(config: FSDP2Config) -> ConsolidateCallback:
     return ConsolidateCallback(
         dtype=config.export_dtype, max_shard_size=config.max_shard_size, merge_adapters=config.merge_adapters_on_save
     )
-
-
-def _validate_args(model: Any, kwargs: dict[str, Any]) -> None:
-    """Reject a trainer with nothing to train before any process group is started."""
-    if model is None and kwargs.get("model_init") is None:
-        raise ValueError(
-            "FSDP2Trainer needs `model` (a path to a Hugging Face model folder or an nn.Module) or `model_init`."
-        )
-
-
-def _validate_training_args(args: TrainingArguments, config: FSDP2Config) -> None:
-    """Reject TrainingArguments fields sharding cannot honour (`argument_verdicts`), and activations checkpointed
-    twice (their FSDP settings were carried into FSDP2Config already: from_accelerate)."""
-    refuse_arguments(args)
-    if args.activation_checkpointing and config.fsdp_activation_checkpointing:
-        raise ValueError(
-            "Both TrainingArguments(activation_checkpointing=True) and FSDP2Config(fsdp_activation_checkpointing=True) "
-            "are set; keep only FSDP2Config's, which checkpoints each FSDP unit."
-        )
-
-
-def _adopt_cpu_process_group(args: TrainingArguments) -> None:
-    """On a machine without accelerators, let Accelerate see torchrun's CPU process group (no use_cpu=True needed).
-
-    Accelerate counts torchrun's processes on the CPU only with `use_cpu=True`; without it every rank would
-    train alone on the same batches. The same script then runs on a laptop and on a GPU cluster.
-    """
-    launched = dist.get_world_size()
-    if args.use_cpu or launched == 1 or args.world_size == launched or torch.accelerator.is_available():
-        return
-    args.use_cpu = True
-    args.dataloader_pin_memory = False  # what TrainingArguments itself sets for use_cpu
-    args.__dict__.pop("_setup_devices", None)  # the cached device set-up made without use_cpu
-    args._setup_devices  # noqa: B018  (set up again: resets Accelerate's state, which now sees the CPU group)
-    log_rank0("No accelerator on this machine: training on the CPU process group of %d ranks (use_cpu=True).", launched)
-
-
-def _check_world_size(args: TrainingArguments) -> None:
-    """Refuse a Trainer that sees one process while torchrun started several (it would not split the data)."""
-    launched = dist.get_world_size()
-    if launched > 1 and args.world_size != launched:
-        raise ValueError(
-            f"torchrun started {launched} processes but TrainingArguments sees world_size={args.world_size} on "
-            f"{args.device}, so every rank would train on the same batches. Launch one process per accelerator "
-            "(torchrun --nproc_per_node = the number of devices), or pass use_cpu=True to train on the CPU."
-        )
 
 
 def _base_model_bytes(model: nn.Module) -> int:
