@@ -1,9 +1,9 @@
 """FSDP2Mixin and FSDP2Trainer: a `transformers.Trainer` (or subclass) whose model is sharded with FSDP2
 when the trainer is built.
 
-With its parts (`trainer_sharding`, `trainer_step`), the only module that knows Trainer/Accelerate internals;
-each part lists the private hooks it touches. This module composes the parts (`FSDP2Mixin`); the hooks it touches
-itself:
+With its parts (`trainer_sharding`, `trainer_step`, `trainer_checkpoint`), the only module that knows
+Trainer/Accelerate internals; each part lists the private hooks it touches. This module composes the parts
+(`FSDP2Mixin`); the hooks it touches itself:
 - `PreTrainedModel.from_pretrained` (patched while a subclass's `__init__` runs, when its signature takes `model` as
   a path): the models a subclass builds from paths become our skeletons in the class it asked for, sharded when
   Trainer or `prepare_model` gets them (`path_models`; tests/test_trl_built_models.py).
@@ -17,24 +17,14 @@ itself:
 - `model_accepts_loss_kwargs`: cleared when the model's loss ignores `num_items_in_batch`, else
   Trainer multiplies such losses by the world size (tests/test_parity.py classification); set when a model marked
   `accepts_loss_kwargs = False` still hands **kwargs to its `loss_function` (tests/test_vlm.py qwen2_5_vl).
-- `_save_checkpoint`: every save is a sharded DCP save under a staging name, renamed when complete
-  (tests/test_checkpoint.py). It reuses `_save_rng_state`, `store_flos` and `_get_output_dir`.
 - `_load_from_checkpoint`, `_load_optimizer_and_scheduler`, `_load_best_model`: DCP loads, any world
   size (tests/test_checkpoint.py resume cases). `_load_rng_state` is Trainer's own.
-- `_finalize_training`: waits for a pending asynchronous save before training ends.
 - `_init_training_state`: a resumed checkpoint that already reached max_steps trains no further (Trainer
   would run one more step at learning rate 0 and write another checkpoint); the epoch loop is skipped and
   only the end of training (export) runs (tests/test_checkpoint.py relaunch of a finished run).
 - `train` handles the preemption signals while it runs (`preemption.PreemptionWatcher`); a callback's
   `on_step_end` turns an agreed stop into `control.should_save`, and `_save_checkpoint` then writes that
   step synchronously and raises `Preempted`, skipping `on_train_end` and its export (tests/test_failures.py).
-- `save_model`: writes a from_pretrained-ready folder, gathering one tensor at a time (a PEFT model: its
-  adapter folder, or the merged model with `merge_adapters_on_save`).
-- `_save` (a subclass's own, such as sentence-transformers'): `save_model` and the end-of-training export of a model
-  that is not a `PreTrainedModel` run it on rank 0 with the model presented unsharded, so the folder is the
-  subclass's format (`owner_export`; tests/test_sentence_transformers.py).
-PEFT models get adapter-only checkpoints: peft's adapter files plus the DCP optimizer state of the
-trainable parameters (tests/test_lora.py).
 """
 
 from __future__ import annotations
@@ -49,34 +39,25 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.fsdp import FSDPModule
 from transformers import Trainer, TrainingArguments
-from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME, TRAINING_ARGS_NAME
-from transformers.trainer_callback import ExportableState
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints, set_seed
+from transformers.trainer import SCHEDULER_NAME
+from transformers.trainer_utils import set_seed
 from transformers.utils import logging as transformers_logging
 
-from .adapter_checkpoint import check_mergeable, check_trainable_are_saved, load_adapter, save_adapter
+from .adapter_checkpoint import check_mergeable, check_trainable_are_saved, load_adapter
 from .adapters import check_supported
 from .branches import guard_optimizer
 from .callbacks import ConsolidateCallback
 from .checkpoint import (
     PartSavers,
-    begin_checkpoint,
-    commit_checkpoint,
     resume_model,
     resume_optimizer,
-    sharded_parts,
-    wait_for_writes,
-    write_parts,
 )
 from .config import FSDP2Config
-from .disk_space import check_room, raise_if_write_failed, tensor_bytes
 from .distributed import init_distributed, is_rank0, log_rank0, warn_rank0
 from .facts import describe, facts_of, unwrap_peft
 from .from_accelerate import resolve_config
-from .live_export import save_pretrained_sharded, write_model_files
 from .memory_plan import log_memory_plan
 from .model import prepare_model
 from .muon import Muon
@@ -86,6 +67,7 @@ from .preemption import Preempted, PreemptionCallback, PreemptionWatcher
 from .resume import find_resume_checkpoint
 from .sequence_parallel import SequenceParallel, check_model
 from .skeleton import from_pretrained
+from .trainer_checkpoint import CheckpointMixin, _consolidate_callback
 from .trainer_sharding import (
     ShardingMixin,
     _validate_args,
@@ -102,7 +84,7 @@ from .trainer_step import (
 )
 
 
-class FSDP2Mixin(ShardingMixin, StepMixin):
+class FSDP2Mixin(ShardingMixin, StepMixin, CheckpointMixin):
     """Shards the model of any `Trainer` subclass with FSDP2: put it first, `class X(FSDP2Mixin, SFTTrainer)`.
 
     The model is sharded when `Trainer.__init__` first sees it (`create_accelerator_and_postprocess`), so
@@ -230,52 +212,6 @@ class FSDP2Mixin(ShardingMixin, StepMixin):
         sharded._is_fsdp_managed_module = True
         return sharded
 
-    @property
-    def _peft(self) -> bool:
-        return facts_of(self.model).is_peft
-
-    # ---- save: load → shard → train → *save* → consolidate --------------------------------------------
-
-    def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
-        """Write checkpoint-N as a sharded DCP checkpoint under a staging name; rename it when complete."""
-        if self.hp_search_backend is None and trial is None:
-            self.store_flos()
-        run_dir = self._get_output_dir(trial=trial)
-        final = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        self._wait_for_pending_save()
-        staging = begin_checkpoint(final)
-        optimizer = None if self.args.save_only_model else _unwrap_optimizer(self.optimizer)
-        if self._savers is None:
-            # NOTE: creates process groups: a collective, as is every save.
-            self._savers = PartSavers(async_save=self.fsdp2_config.async_save)
-        pending, need, error = [], 0, None
-        try:
-            parts = sharded_parts(self.model, optimizer, not self._peft)
-            need = check_room(final, tensor_bytes(parts) + self._adapter_bytes())  # fails at once when plainly full
-            pending = write_parts(staging, parts, self._savers, self.fsdp2_config.checkpoint_writes == "direct")
-            if self._peft:
-                save_adapter(self.model, staging)  # small and gathered: written before training goes on
-            self._save_checkpoint_files(staging)
-        except (Exception, CheckpointException) as caught:  # CheckpointException is a BaseException
-            error = caught
-        if self._savers.stagers:
-            # NOTE: async: every rank learns of a failure here, before any goes on training (the writes in flight
-            # are waited for first, so the partial folder can be removed).
-            if error is not None:  # the writes' own failure first: the files they filled the disk with made ours fail
-                error = wait_for_writes(pending) or error
-            raise_if_write_failed(error, final, staging, need)
-        self._pending_save = (pending, staging, final, run_dir, need, error)
-        if not pending or self._preemption.stop_signal:
-            self._wait_for_pending_save()
-        if self._preemption.stop_signal:
-            self._stop_preempted(final)
-
-    def _adapter_bytes(self) -> int:
-        """Bytes of the adapter files rank 0 writes into a PEFT checkpoint (0 elsewhere)."""
-        if not self._peft or not is_rank0():
-            return 0
-        return sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
-
     def _stop_preempted(self, checkpoint: str) -> None:
         """The preemption checkpoint is on disk: end training here, skipping the end-of-training export."""
         if self._savers is not None:
@@ -287,55 +223,6 @@ class FSDP2Mixin(ShardingMixin, StepMixin):
             checkpoint,
         )
         raise Preempted(signum, self.state.global_step, checkpoint)
-
-    def _save_checkpoint_files(self, directory: str) -> None:
-        """Everything beside the DCP folders: RNG (every rank), scheduler, state, args, config, tokenizer."""
-        self._save_rng_state(directory)
-        if not self.args.should_save:
-            return
-        if not self.args.save_only_model and self.lr_scheduler is not None:
-            torch.save(self.lr_scheduler.state_dict(), os.path.join(directory, SCHEDULER_NAME))
-        torch.save(self.args, os.path.join(directory, TRAINING_ARGS_NAME))
-        # An adapter checkpoint gets no config.json: it is not a from_pretrained folder of the base model.
-        write_model_files(None if self._peft else self.model, directory, self.processing_class)
-        for callback in self.callback_handler.callbacks + [self.control]:
-            if isinstance(callback, ExportableState):
-                name = callback.__class__.__name__
-                if isinstance(self.state.stateful_callbacks.get(name), list):
-                    self.state.stateful_callbacks[name].append(callback.state())
-                else:
-                    self.state.stateful_callbacks[name] = callback.state()
-        self.state.save_to_json(os.path.join(directory, TRAINER_STATE_NAME))
-
-    def _wait_for_pending_save(self) -> None:
-        """Finish the last save: wait for its writes, publish it under its name, rotate old checkpoints."""
-        if self._pending_save is None:
-            return
-        pending, staging, final, run_dir, need, error = self._pending_save
-        self._pending_save = None
-        error = error or wait_for_writes(pending)
-        raise_if_write_failed(error, final, staging, need)  # NOTE: collective: one clear error on every rank
-        commit_checkpoint(staging, final)
-        if self._peft and is_rank0():
-            size, base_bytes = _folder_bytes(final), _base_model_bytes(self.model)
-            log_rank0(
-                "%s: %.2f MiB on disk (adapter + optimizer state), %.2f%% of the %.1f MiB base model.",
-                os.path.basename(final),
-                size / 2**20,
-                100 * size / max(base_bytes, 1),
-                base_bytes / 2**20,
-            )
-        if self.state.best_global_step:
-            best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
-            if os.path.exists(best):
-                self.state.best_model_checkpoint = best
-        if self.args.should_save:
-            rotate_checkpoints(
-                output_dir=run_dir,
-                save_total_limit=self.args.save_total_limit,
-                best_model_checkpoint=self.state.best_model_checkpoint,
-                use_mtime=True,
-            )
 
     def _init_training_state(
         self,
@@ -359,36 +246,6 @@ class FSDP2Mixin(ShardingMixin, StepMixin):
             max_steps,
         )
         return num_train_epochs, 0
-
-    def _finalize_training(self, trial: Any, num_train_samples: int, start_time: float) -> Any:
-        """The end of training waits for an asynchronous save to be complete on disk."""
-        self._wait_for_pending_save()
-        if self._savers is not None:
-            self._savers.close()
-            self._savers = None
-        return super()._finalize_training(trial, num_train_samples, start_time)
-
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Write a from_pretrained-ready folder (weights gathered one tensor at a time, config, tokenizer)."""
-        output_dir = output_dir if output_dir is not None else self.args.output_dir
-        save_pretrained_sharded(
-            self.model,
-            output_dir,
-            processing_class=self.processing_class,
-            dtype=self.fsdp2_config.export_dtype,
-            max_shard_size=self.fsdp2_config.max_shard_size,
-            merge_adapters=self.fsdp2_config.merge_adapters_on_save,
-            trainer_save=self._own_save(),
-        )
-        if is_rank0():
-            torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
-
-    def _own_save(self) -> Callable[[str], None] | None:
-        """The trainer subclass's own `_save` (sentence-transformers' writes modules.json), or None: Trainer's own
-        writes what the streamed export does."""
-        mro = type(self).__mro__
-        own = any("_save" in vars(cls) for cls in mro[: mro.index(Trainer)] if cls is not FSDP2Mixin)
-        return self._save if own else None
 
     # ---- resume ----------------------------------------------------------------------------------------
 
@@ -437,21 +294,3 @@ def _builds_from_paths(init: Callable[..., None]) -> bool:
     if parameter is None or parameter.annotation is inspect.Parameter.empty:
         return False
     return "str" in re.findall(r"\w+", str(parameter.annotation))
-
-
-def _consolidate_callback(config: FSDP2Config) -> ConsolidateCallback:
-    """The end-of-training export the config asks for (added unless the user passed their own)."""
-    return ConsolidateCallback(
-        dtype=config.export_dtype, max_shard_size=config.max_shard_size, merge_adapters=config.merge_adapters_on_save
-    )
-
-
-def _base_model_bytes(model: nn.Module) -> int:
-    """Bytes of the model's non-adapter parameters (global sizes), to put adapter checkpoints in proportion."""
-    facts = facts_of(model)
-    return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not facts.is_adapter(n))
-
-
-def _folder_bytes(folder: str) -> int:
-    """Total size of the files under `folder`."""
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(folder) for f in files)
