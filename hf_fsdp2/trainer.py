@@ -1,8 +1,8 @@
 """FSDP2Mixin and FSDP2Trainer: a `transformers.Trainer` (or subclass) whose model is sharded with FSDP2
 when the trainer is built.
 
-With its parts (`trainer_sharding`, `trainer_step`, `trainer_checkpoint`), the only module that knows
-Trainer/Accelerate internals; each part lists the private hooks it touches. This module composes the parts
+With its parts (`trainer_sharding`, `trainer_step`, `trainer_checkpoint`, `trainer_resume`), the only module that
+knows Trainer/Accelerate internals; each part lists the private hooks it touches. This module composes the parts
 (`FSDP2Mixin`); the hooks it touches itself:
 - `PreTrainedModel.from_pretrained` (patched while a subclass's `__init__` runs, when its signature takes `model` as
   a path): the models a subclass builds from paths become our skeletons in the class it asked for, sharded when
@@ -17,14 +17,10 @@ Trainer/Accelerate internals; each part lists the private hooks it touches. This
 - `model_accepts_loss_kwargs`: cleared when the model's loss ignores `num_items_in_batch`, else
   Trainer multiplies such losses by the world size (tests/test_parity.py classification); set when a model marked
   `accepts_loss_kwargs = False` still hands **kwargs to its `loss_function` (tests/test_vlm.py qwen2_5_vl).
-- `_load_from_checkpoint`, `_load_optimizer_and_scheduler`, `_load_best_model`: DCP loads, any world
-  size (tests/test_checkpoint.py resume cases). `_load_rng_state` is Trainer's own.
-- `_init_training_state`: a resumed checkpoint that already reached max_steps trains no further (Trainer
-  would run one more step at learning rate 0 and write another checkpoint); the epoch loop is skipped and
-  only the end of training (export) runs (tests/test_checkpoint.py relaunch of a finished run).
-- `train` handles the preemption signals while it runs (`preemption.PreemptionWatcher`); a callback's
-  `on_step_end` turns an agreed stop into `control.should_save`, and `_save_checkpoint` then writes that
-  step synchronously and raises `Preempted`, skipping `on_train_end` and its export (tests/test_failures.py).
+- `train` resolves `resume_from_checkpoint="auto"`, logs the memory plan once, and handles the preemption signals
+  while it runs (`preemption.PreemptionWatcher`); a callback's `on_step_end` turns an agreed stop into
+  `control.should_save`, and `_save_checkpoint` then writes that step synchronously and raises `Preempted`
+  (`trainer_resume`), skipping `on_train_end` and its export (tests/test_failures.py).
 """
 
 from __future__ import annotations
@@ -36,26 +32,20 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from transformers import Trainer, TrainingArguments
-from transformers.trainer import SCHEDULER_NAME
 from transformers.trainer_utils import set_seed
 from transformers.utils import logging as transformers_logging
 
-from .adapter_checkpoint import check_mergeable, check_trainable_are_saved, load_adapter
+from .adapter_checkpoint import check_mergeable, check_trainable_are_saved
 from .adapters import check_supported
 from .branches import guard_optimizer
 from .callbacks import ConsolidateCallback
-from .checkpoint import (
-    PartSavers,
-    resume_model,
-    resume_optimizer,
-)
+from .checkpoint import PartSavers
 from .config import FSDP2Config
-from .distributed import init_distributed, is_rank0, log_rank0, warn_rank0
+from .distributed import init_distributed, is_rank0, log_rank0
 from .facts import describe, facts_of, unwrap_peft
 from .from_accelerate import resolve_config
 from .memory_plan import log_memory_plan
@@ -63,11 +53,12 @@ from .model import prepare_model
 from .muon import Muon
 from .optimizers import adapt_optimizer
 from .path_models import PLACEMENT_KWARGS, check_all_sharded, loading_for_real, skeletons_for_paths
-from .preemption import Preempted, PreemptionCallback, PreemptionWatcher
+from .preemption import PreemptionCallback, PreemptionWatcher
 from .resume import find_resume_checkpoint
 from .sequence_parallel import SequenceParallel, check_model
 from .skeleton import from_pretrained
 from .trainer_checkpoint import CheckpointMixin, _consolidate_callback
+from .trainer_resume import ResumeMixin
 from .trainer_sharding import (
     ShardingMixin,
     _validate_args,
@@ -84,7 +75,7 @@ from .trainer_step import (
 )
 
 
-class FSDP2Mixin(ShardingMixin, StepMixin, CheckpointMixin):
+class FSDP2Mixin(ShardingMixin, StepMixin, CheckpointMixin, ResumeMixin):
     """Shards the model of any `Trainer` subclass with FSDP2: put it first, `class X(FSDP2Mixin, SFTTrainer)`.
 
     The model is sharded when `Trainer.__init__` first sees it (`create_accelerator_and_postprocess`), so
@@ -211,63 +202,6 @@ class FSDP2Mixin(ShardingMixin, StepMixin, CheckpointMixin):
             raise RuntimeError("prepare_model must shard in place: Trainer.__init__ keeps the object it was given.")
         sharded._is_fsdp_managed_module = True
         return sharded
-
-    def _stop_preempted(self, checkpoint: str) -> None:
-        """The preemption checkpoint is on disk: end training here, skipping the end-of-training export."""
-        if self._savers is not None:
-            self._savers.close()
-            self._savers = None
-        signum = self._preemption.stop_signal
-        warn_rank0(
-            "Preempted: %s is complete. Relaunch the same command with resume_from_checkpoint='auto' to go on.",
-            checkpoint,
-        )
-        raise Preempted(signum, self.state.global_step, checkpoint)
-
-    def _init_training_state(
-        self,
-        max_steps: int,
-        num_update_steps_per_epoch: int,
-        num_train_epochs: int,
-        resume_from_checkpoint: str | None,
-        trial: Any,
-    ) -> tuple[int, int]:
-        """Trainer's state, restored from the checkpoint; a finished run's epochs all count as trained."""
-        epochs_trained, steps_in_epoch = super()._init_training_state(
-            max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
-        )
-        if resume_from_checkpoint is None or self.state.global_step < max_steps:
-            return epochs_trained, steps_in_epoch
-        # A warning, not info: a train() call that trains nothing should be visible at the default verbosity.
-        warn_rank0(
-            "%s already reached max_steps=%d: nothing left to train, no new checkpoint; only the end of training "
-            "runs again (export, best model).",
-            resume_from_checkpoint,
-            max_steps,
-        )
-        return num_train_epochs, 0
-
-    # ---- resume ----------------------------------------------------------------------------------------
-
-    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
-        """Load the sharded model (a PEFT model: its adapters) from checkpoint-N, whatever world size wrote it."""
-        if self._peft:
-            load_adapter(self.model, resume_from_checkpoint)
-        else:
-            resume_model(self.model, resume_from_checkpoint)
-
-    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        """Restore optimizer (DCP, resharded) and scheduler state."""
-        if checkpoint is None:
-            return
-        resume_optimizer(self.model, _unwrap_optimizer(self.optimizer), checkpoint)
-        scheduler_file = os.path.join(checkpoint, SCHEDULER_NAME)
-        if self.lr_scheduler is not None and os.path.isfile(scheduler_file):
-            self.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
-
-    def _load_best_model(self) -> None:
-        """Reload the best checkpoint's weights into the sharded model."""
-        self._load_from_checkpoint(self.state.best_model_checkpoint)
 
 
 class FSDP2Trainer(FSDP2Mixin, Trainer):
