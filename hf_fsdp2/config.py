@@ -30,7 +30,12 @@ DEFAULT_SEQUENCE_PARALLEL_LOSS_CHUNK = 4096
 
 @dataclass
 class FSDP2Config:
-    """How `FSDP2Trainer` shards, casts and checkpoints the model."""
+    """How `FSDP2Trainer` shards, casts and checkpoints the model.
+
+    The fields serve five jobs, the groups of the Configuration page (`GROUPS` in scripts/docs/config_reference.py):
+    sharding; precision and memory; the training step; checkpoints and preemption; export. They stay in the order
+    they were added here, because that order is the positional one and `HfArgumentParser`'s `--help`.
+    """
 
     # NOTE: annotated for HfArgumentParser (which drops `str` from unions); in Python a callable
     # module -> bool is accepted too.

@@ -1,63 +1,26 @@
 """FSDP2Mixin and FSDP2Trainer: a `transformers.Trainer` (or subclass) whose model is sharded with FSDP2
 when the trainer is built.
 
-This is the only module that knows Trainer/Accelerate internals. Every private hook it touches:
-- `create_accelerator_and_postprocess`: the first thing `Trainer.__init__` calls after storing the model;
-  the model is sharded there (in place), after a subclass's own `__init__` changed it (TRL's
-  `get_peft_model`) and before Trainer reads it (tests/test_trl.py, tests/test_dropin.py).
-- `call_model_init`: each model `model_init` returns is sharded (tests/test_dropin.py model_init).
+With its parts (`trainer_sharding`, `trainer_step`, `trainer_checkpoint`, `trainer_resume`), the only module that
+knows Trainer/Accelerate internals; each part lists the private hooks it touches. This module composes the parts
+(`FSDP2Mixin`); the hooks it touches itself:
 - `PreTrainedModel.from_pretrained` (patched while a subclass's `__init__` runs, when its signature takes `model` as
   a path): the models a subclass builds from paths become our skeletons in the class it asked for, sharded when
   Trainer or `prepare_model` gets them (`path_models`; tests/test_trl_built_models.py).
-- `Accelerator.prepare_model` (wrapped on the instance): an extra model a subclass prepares for evaluation
-  (DPO's reference) is sharded frozen instead of replicated (tests/test_trl.py dpo_full).
 - `is_distributed_loading_by_transformers` (set after `__init__`): Trainer's path for models sharded
   before it sees them; `_prepare_for_training` then skips Accelerate's DDP/FSDP wrap.
   Guarded by tests/test_parity.py (a second wrap fails with "mixed torch.Tensor and DTensor").
   Set after `__init__` because `__init__` refuses checkpointing for transformers' own sharded models.
-- `_defer_fsdp_gradient_reduction`: the no-sync context `_run_epoch` uses for such models; ours honours
-  `FSDP2Config.defer_gradient_sync` (tests/test_parity.py, defer cases).
-- `TrainingArguments._setup_devices` (its cached value dropped, then computed again): on a machine without
-  accelerators under torchrun, `use_cpu` is set so Accelerate sees the CPU process group
-  (tests/test_trainer.py without use_cpu at 2 ranks; tests/test_readme.py runs the README's script as written).
 - `TrainingArguments.fsdp` / `fsdp_plugin_args` and Accelerate's `FullyShardedDataParallelPlugin`: read once by
   `from_accelerate.resolve_config` in `__init__` (settings carried into FSDP2Config), then `fsdp` cleared so
   Trainer builds no FSDP plugin and nothing shards the model twice (tests/test_from_accelerate*.py).
-- `_move_model_to_device`: a no-op; sharding placed the model (moving DTensors would break offload).
-- `_build_accelerator_args`: mixed_precision="no" so Accelerate adds no autocast; precision belongs to
-  FSDP2's MixedPrecisionPolicy (tests/test_parity.py::bf16).
-- `_clip_grad_norm` / `_get_grad_norm`: the global norm of DTensor gradients (tests/test_parity.py).
-- `compute_loss` (wrapped): an MoE model's router loss is replaced by its global-batch value, and the loss scale
-  Trainer applied is read back from Trainer's own condition (`average_tokens_across_devices`,
-  `model_accepts_loss_kwargs`, `get_tp_size`) (tests/test_dropin.py moe_qwen3, moe_mixtral).
-- `training_step` (wrapped, only with `sequence_parallel_size` > 1): one Trainer step per member of the group on
-  this rank's slice of that member's rows, inside Ulysses attention (tests/test_sequence_parallel.py).
-- `create_optimizer`: reshard first, because a forward under no_grad (evaluate) leaves the root and the last block
-  gathered and an optimizer built then holds the wrong tensors (tests/test_trainer.py evaluate-then-train).
-  `args.optim` must have a verdict that is not "refused" (`optimizers.OPTIM_VERDICTS`), and the optimizer built (or
-  passed in `optimizers`) is made exact on shards in place: torch.optim.Muon and transformers' Adafactor become
-  their shard-exact twins, bitsandbytes' step each rank's local shard (tests/test_muon.py, tests/test_optimizers.py).
 - `model_accepts_loss_kwargs`: cleared when the model's loss ignores `num_items_in_batch`, else
   Trainer multiplies such losses by the world size (tests/test_parity.py classification); set when a model marked
   `accepts_loss_kwargs = False` still hands **kwargs to its `loss_function` (tests/test_vlm.py qwen2_5_vl).
-- `_save_checkpoint`: every save is a sharded DCP save under a staging name, renamed when complete
-  (tests/test_checkpoint.py). It reuses `_save_rng_state`, `store_flos` and `_get_output_dir`.
-- `_load_from_checkpoint`, `_load_optimizer_and_scheduler`, `_load_best_model`: DCP loads, any world
-  size (tests/test_checkpoint.py resume cases). `_load_rng_state` is Trainer's own.
-- `_finalize_training`: waits for a pending asynchronous save before training ends.
-- `_init_training_state`: a resumed checkpoint that already reached max_steps trains no further (Trainer
-  would run one more step at learning rate 0 and write another checkpoint); the epoch loop is skipped and
-  only the end of training (export) runs (tests/test_checkpoint.py relaunch of a finished run).
-- `train` handles the preemption signals while it runs (`preemption.PreemptionWatcher`); a callback's
-  `on_step_end` turns an agreed stop into `control.should_save`, and `_save_checkpoint` then writes that
-  step synchronously and raises `Preempted`, skipping `on_train_end` and its export (tests/test_failures.py).
-- `save_model`: writes a from_pretrained-ready folder, gathering one tensor at a time (a PEFT model: its
-  adapter folder, or the merged model with `merge_adapters_on_save`).
-- `_save` (a subclass's own, such as sentence-transformers'): `save_model` and the end-of-training export of a model
-  that is not a `PreTrainedModel` run it on rank 0 with the model presented unsharded, so the folder is the
-  subclass's format (`owner_export`; tests/test_sentence_transformers.py).
-PEFT models get adapter-only checkpoints: peft's adapter files plus the DCP optimizer state of the
-trainable parameters (tests/test_lora.py).
+- `train` resolves `resume_from_checkpoint="auto"`, logs the memory plan once, and handles the preemption signals
+  while it runs (`preemption.PreemptionWatcher`); a callback's `on_step_end` turns an agreed stop into
+  `control.should_save`, and `_save_checkpoint` then writes that step synchronously and raises `Preempted`
+  (`trainer_resume`), skipping `on_train_end` and its export (tests/test_failures.py).
 """
 
 from __future__ import annotations
@@ -66,57 +29,53 @@ import contextlib
 import inspect
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.fsdp import FSDPModule
 from transformers import Trainer, TrainingArguments
-from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME, TRAINING_ARGS_NAME
-from transformers.trainer_callback import ExportableState
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints, set_seed
+from transformers.trainer_utils import set_seed
 from transformers.utils import logging as transformers_logging
 
-from .adapter_checkpoint import check_mergeable, check_trainable_are_saved, load_adapter, save_adapter
+from .adapter_checkpoint import check_mergeable, check_trainable_are_saved
 from .adapters import check_supported
-from .argument_verdicts import refuse_arguments
 from .branches import guard_optimizer
 from .callbacks import ConsolidateCallback
-from .checkpoint import (
-    PartSavers,
-    begin_checkpoint,
-    commit_checkpoint,
-    resume_model,
-    resume_optimizer,
-    sharded_parts,
-    wait_for_writes,
-    write_parts,
-)
-from .chunked_loss import chunked_loss, log_unchunked, why_not_chunked
+from .checkpoint import PartSavers
 from .config import FSDP2Config
-from .disk_space import check_room, raise_if_write_failed, tensor_bytes
-from .distributed import init_distributed, is_rank0, log_rank0, warn_rank0
-from .facts import describe, facts_of, forward_source, unwrap_peft
+from .distributed import init_distributed, is_rank0, log_rank0
+from .facts import describe, facts_of, unwrap_peft
 from .from_accelerate import resolve_config
-from .live_export import save_pretrained_sharded, write_model_files
 from .memory_plan import log_memory_plan
-from .model import clip_grad_norm, prepare_model
+from .model import prepare_model
 from .muon import Muon
-from .optimizers import adapt_optimizer, check_optim
+from .optimizers import adapt_optimizer
 from .path_models import PLACEMENT_KWARGS, check_all_sharded, loading_for_real, skeletons_for_paths
-from .preemption import Preempted, PreemptionCallback, PreemptionWatcher
+from .preemption import PreemptionCallback, PreemptionWatcher
 from .resume import find_resume_checkpoint
-from .router_loss import correct_router_loss, router_config
 from .sequence_parallel import SequenceParallel, check_model
-from .sharding import reshard_all
 from .skeleton import from_pretrained
-from .ulysses_attention import ulysses
+from .trainer_checkpoint import CheckpointMixin, _consolidate_callback
+from .trainer_resume import ResumeMixin
+from .trainer_sharding import (
+    ShardingMixin,
+    _validate_args,
+    _validate_training_args,  # noqa: F401  (re-exported: tests import it from here)
+)
+from .trainer_step import (
+    StepMixin,
+    _check_sequence_parallel_trainer,
+    _loss_uses_num_items,
+    _own_compute_loss,  # noqa: F401  (re-exported: tests import it from hf_fsdp2.trainer)
+    _passes_num_items_to_loss,
+    _unwrap_optimizer,
+    repoint_optimizer,
+)
 
 
-class FSDP2Mixin:
+class FSDP2Mixin(ShardingMixin, StepMixin, CheckpointMixin, ResumeMixin):
     """Shards the model of any `Trainer` subclass with FSDP2: put it first, `class X(FSDP2Mixin, SFTTrainer)`.
 
     The model is sharded when `Trainer.__init__` first sees it (`create_accelerator_and_postprocess`), so
@@ -211,24 +170,6 @@ class FSDP2Mixin:
         with self._preemption.watching():
             return super().train(resume_from_checkpoint, *args, **kwargs)
 
-    def create_accelerator_and_postprocess(self) -> None:
-        """Shard the model when Trainer first sees it, then let Accelerate shard extra models too."""
-        _validate_training_args(self.args, self.fsdp2_config)
-        _adopt_cpu_process_group(self.args)
-        _check_world_size(self.args)
-        if self.model is not None:
-            # NOTE: in place; Trainer.__init__ goes on with its own reference to this same object.
-            self.model = self._shard(self.model)
-        super().create_accelerator_and_postprocess()
-        self.accelerator.prepare_model = _sharding_extra_models(self.accelerator.prepare_model, self)
-
-    def call_model_init(self, trial: Any = None) -> nn.Module:
-        """Shard each model `model_init` returns, as a model passed directly (Trainer seeds before the call)."""
-        model = super().call_model_init(trial)
-        if isinstance(model, (str, os.PathLike)):
-            model = from_pretrained(model)
-        return self._shard(model)
-
     def _shard(self, model: nn.Module) -> nn.Module:
         """Check, then shard `model` and load its weights; remember parameter names to re-point an optimizer."""
         facts = facts_of(model) if isinstance(model, FSDPModule) else describe(model)
@@ -262,282 +203,6 @@ class FSDP2Mixin:
         sharded._is_fsdp_managed_module = True
         return sharded
 
-    @property
-    def _peft(self) -> bool:
-        return facts_of(self.model).is_peft
-
-    def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
-        """Leave placement to sharding."""
-
-    def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
-        """Keep Accelerate's autocast out: FSDP2's MixedPrecisionPolicy owns precision."""
-        accelerator_args = super()._build_accelerator_args(**kwargs)
-        accelerator_args["mixed_precision"] = "no"
-        return accelerator_args
-
-    @contextlib.contextmanager
-    def _defer_fsdp_gradient_reduction(self) -> Iterator[None]:
-        """Skip the reduction on non-final micro-steps only when the config asks for it."""
-        if not self.fsdp2_config.defer_gradient_sync:
-            yield
-            return
-        self.model.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            self.model.set_requires_gradient_sync(True)
-
-    def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor:
-        """Clip by the global norm over every rank's gradient shards."""
-        return clip_grad_norm(list(model.parameters()), self.args.max_grad_norm)
-
-    def _get_grad_norm(self, model: nn.Module, grad_norm: torch.Tensor | None = None) -> torch.Tensor:
-        """Report the global gradient norm (measured without clipping when clipping is off)."""
-        return grad_norm if grad_norm is not None else clip_grad_norm(list(model.parameters()), float("inf"))
-
-    def training_step(
-        self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: torch.Tensor | int | None = None
-    ) -> torch.Tensor:
-        """Trainer's step; with sequence parallelism, one step per member of the group over this rank's slice of
-        that member's rows (forward and backward inside, so recomputed attention is the same attention)."""
-        sequence_parallel = self._sequence_parallel
-        if sequence_parallel is None:
-            return super().training_step(model, inputs, num_items_in_batch)
-        losses = []
-        config = unwrap_peft(self.model).config
-        for part in sequence_parallel.parts(inputs, num_items_in_batch):
-            with ulysses(config, part.layout):
-                losses.append(super().training_step(model, part.inputs, part.num_items_in_batch))
-        return torch.stack(losses).sum()
-
-    def compute_loss(
-        self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None
-    ) -> Any:
-        """Trainer's loss (its LM head and cross entropy in chunks with `loss_chunk_size`); for an MoE model, its
-        router loss over the global batch, as in one process."""
-        training = model.training and torch.is_grad_enabled()
-        target = self._chunked_loss_target() if training and "labels" in inputs else None
-        chunks = self.fsdp2_config.effective_loss_chunk_size
-        with chunked_loss(target, chunks) if target is not None else contextlib.nullcontext():
-            if router_config(self.model) is None or not training:
-                return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-            loss, outputs = super().compute_loss(model, inputs, True, num_items_in_batch)
-        loss = correct_router_loss(loss, outputs, self.model, inputs, self._loss_scale(num_items_in_batch))
-        return (loss, outputs) if return_outputs else loss
-
-    def _chunked_loss_target(self) -> nn.Module | None:
-        """The causal LM whose loss is chunked (`loss_chunk_size`), or None; why not is logged once."""
-        if self.fsdp2_config.effective_loss_chunk_size is None:
-            return None
-        if not hasattr(self, "_chunk_target"):
-            model = unwrap_peft(self.model)
-            reason = why_not_chunked(model)
-            if reason is None and self.args.label_smoothing_factor:
-                reason = "label smoothing reads the full logits"
-            if reason is None and (self.compute_loss_func is not None or _own_compute_loss(self)):
-                reason = f"{type(self).__name__} computes the loss from the logits itself"
-            if reason is not None:
-                log_unchunked(model, reason)
-            self._chunk_target = None if reason is not None else model
-        return self._chunk_target
-
-    def _loss_scale(self, num_items_in_batch: Any) -> float:
-        """The factor Trainer.compute_loss multiplied the model's loss by (its own condition, read back)."""
-        scaled = (
-            self.args.average_tokens_across_devices
-            and (self.model_accepts_loss_kwargs or self.compute_loss_func)
-            and num_items_in_batch is not None
-        )
-        return self.accelerator.num_processes // self.get_tp_size() if scaled else 1
-
-    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
-        """Build the optimizer over the sharded parameters (reshard first: see module docstring)."""
-        reshard_all(self.model)
-        if self.optimizer is None and self.optimizer_cls_and_kwargs is None:
-            check_optim(self.args.optim)
-        optimizer = super().create_optimizer(model)
-        adapt_optimizer(_unwrap_optimizer(optimizer))
-        guard_optimizer(self.model, _unwrap_optimizer(optimizer))
-        return optimizer
-
-    # ---- save: load → shard → train → *save* → consolidate --------------------------------------------
-
-    def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
-        """Write checkpoint-N as a sharded DCP checkpoint under a staging name; rename it when complete."""
-        if self.hp_search_backend is None and trial is None:
-            self.store_flos()
-        run_dir = self._get_output_dir(trial=trial)
-        final = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        self._wait_for_pending_save()
-        staging = begin_checkpoint(final)
-        optimizer = None if self.args.save_only_model else _unwrap_optimizer(self.optimizer)
-        if self._savers is None:
-            # NOTE: creates process groups: a collective, as is every save.
-            self._savers = PartSavers(async_save=self.fsdp2_config.async_save)
-        pending, need, error = [], 0, None
-        try:
-            parts = sharded_parts(self.model, optimizer, not self._peft)
-            need = check_room(final, tensor_bytes(parts) + self._adapter_bytes())  # fails at once when plainly full
-            pending = write_parts(staging, parts, self._savers, self.fsdp2_config.checkpoint_writes == "direct")
-            if self._peft:
-                save_adapter(self.model, staging)  # small and gathered: written before training goes on
-            self._save_checkpoint_files(staging)
-        except (Exception, CheckpointException) as caught:  # CheckpointException is a BaseException
-            error = caught
-        if self._savers.stagers:
-            # NOTE: async: every rank learns of a failure here, before any goes on training (the writes in flight
-            # are waited for first, so the partial folder can be removed).
-            if error is not None:  # the writes' own failure first: the files they filled the disk with made ours fail
-                error = wait_for_writes(pending) or error
-            raise_if_write_failed(error, final, staging, need)
-        self._pending_save = (pending, staging, final, run_dir, need, error)
-        if not pending or self._preemption.stop_signal:
-            self._wait_for_pending_save()
-        if self._preemption.stop_signal:
-            self._stop_preempted(final)
-
-    def _adapter_bytes(self) -> int:
-        """Bytes of the adapter files rank 0 writes into a PEFT checkpoint (0 elsewhere)."""
-        if not self._peft or not is_rank0():
-            return 0
-        return sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
-
-    def _stop_preempted(self, checkpoint: str) -> None:
-        """The preemption checkpoint is on disk: end training here, skipping the end-of-training export."""
-        if self._savers is not None:
-            self._savers.close()
-            self._savers = None
-        signum = self._preemption.stop_signal
-        warn_rank0(
-            "Preempted: %s is complete. Relaunch the same command with resume_from_checkpoint='auto' to go on.",
-            checkpoint,
-        )
-        raise Preempted(signum, self.state.global_step, checkpoint)
-
-    def _save_checkpoint_files(self, directory: str) -> None:
-        """Everything beside the DCP folders: RNG (every rank), scheduler, state, args, config, tokenizer."""
-        self._save_rng_state(directory)
-        if not self.args.should_save:
-            return
-        if not self.args.save_only_model and self.lr_scheduler is not None:
-            torch.save(self.lr_scheduler.state_dict(), os.path.join(directory, SCHEDULER_NAME))
-        torch.save(self.args, os.path.join(directory, TRAINING_ARGS_NAME))
-        # An adapter checkpoint gets no config.json: it is not a from_pretrained folder of the base model.
-        write_model_files(None if self._peft else self.model, directory, self.processing_class)
-        for callback in self.callback_handler.callbacks + [self.control]:
-            if isinstance(callback, ExportableState):
-                name = callback.__class__.__name__
-                if isinstance(self.state.stateful_callbacks.get(name), list):
-                    self.state.stateful_callbacks[name].append(callback.state())
-                else:
-                    self.state.stateful_callbacks[name] = callback.state()
-        self.state.save_to_json(os.path.join(directory, TRAINER_STATE_NAME))
-
-    def _wait_for_pending_save(self) -> None:
-        """Finish the last save: wait for its writes, publish it under its name, rotate old checkpoints."""
-        if self._pending_save is None:
-            return
-        pending, staging, final, run_dir, need, error = self._pending_save
-        self._pending_save = None
-        error = error or wait_for_writes(pending)
-        raise_if_write_failed(error, final, staging, need)  # NOTE: collective: one clear error on every rank
-        commit_checkpoint(staging, final)
-        if self._peft and is_rank0():
-            size, base_bytes = _folder_bytes(final), _base_model_bytes(self.model)
-            log_rank0(
-                "%s: %.2f MiB on disk (adapter + optimizer state), %.2f%% of the %.1f MiB base model.",
-                os.path.basename(final),
-                size / 2**20,
-                100 * size / max(base_bytes, 1),
-                base_bytes / 2**20,
-            )
-        if self.state.best_global_step:
-            best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
-            if os.path.exists(best):
-                self.state.best_model_checkpoint = best
-        if self.args.should_save:
-            rotate_checkpoints(
-                output_dir=run_dir,
-                save_total_limit=self.args.save_total_limit,
-                best_model_checkpoint=self.state.best_model_checkpoint,
-                use_mtime=True,
-            )
-
-    def _init_training_state(
-        self,
-        max_steps: int,
-        num_update_steps_per_epoch: int,
-        num_train_epochs: int,
-        resume_from_checkpoint: str | None,
-        trial: Any,
-    ) -> tuple[int, int]:
-        """Trainer's state, restored from the checkpoint; a finished run's epochs all count as trained."""
-        epochs_trained, steps_in_epoch = super()._init_training_state(
-            max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
-        )
-        if resume_from_checkpoint is None or self.state.global_step < max_steps:
-            return epochs_trained, steps_in_epoch
-        # A warning, not info: a train() call that trains nothing should be visible at the default verbosity.
-        warn_rank0(
-            "%s already reached max_steps=%d: nothing left to train, no new checkpoint; only the end of training "
-            "runs again (export, best model).",
-            resume_from_checkpoint,
-            max_steps,
-        )
-        return num_train_epochs, 0
-
-    def _finalize_training(self, trial: Any, num_train_samples: int, start_time: float) -> Any:
-        """The end of training waits for an asynchronous save to be complete on disk."""
-        self._wait_for_pending_save()
-        if self._savers is not None:
-            self._savers.close()
-            self._savers = None
-        return super()._finalize_training(trial, num_train_samples, start_time)
-
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Write a from_pretrained-ready folder (weights gathered one tensor at a time, config, tokenizer)."""
-        output_dir = output_dir if output_dir is not None else self.args.output_dir
-        save_pretrained_sharded(
-            self.model,
-            output_dir,
-            processing_class=self.processing_class,
-            dtype=self.fsdp2_config.export_dtype,
-            max_shard_size=self.fsdp2_config.max_shard_size,
-            merge_adapters=self.fsdp2_config.merge_adapters_on_save,
-            trainer_save=self._own_save(),
-        )
-        if is_rank0():
-            torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
-
-    def _own_save(self) -> Callable[[str], None] | None:
-        """The trainer subclass's own `_save` (sentence-transformers' writes modules.json), or None: Trainer's own
-        writes what the streamed export does."""
-        mro = type(self).__mro__
-        own = any("_save" in vars(cls) for cls in mro[: mro.index(Trainer)] if cls is not FSDP2Mixin)
-        return self._save if own else None
-
-    # ---- resume ----------------------------------------------------------------------------------------
-
-    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
-        """Load the sharded model (a PEFT model: its adapters) from checkpoint-N, whatever world size wrote it."""
-        if self._peft:
-            load_adapter(self.model, resume_from_checkpoint)
-        else:
-            resume_model(self.model, resume_from_checkpoint)
-
-    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        """Restore optimizer (DCP, resharded) and scheduler state."""
-        if checkpoint is None:
-            return
-        resume_optimizer(self.model, _unwrap_optimizer(self.optimizer), checkpoint)
-        scheduler_file = os.path.join(checkpoint, SCHEDULER_NAME)
-        if self.lr_scheduler is not None and os.path.isfile(scheduler_file):
-            self.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
-
-    def _load_best_model(self) -> None:
-        """Reload the best checkpoint's weights into the sharded model."""
-        self._load_from_checkpoint(self.state.best_model_checkpoint)
-
 
 class FSDP2Trainer(FSDP2Mixin, Trainer):
     """`Trainer` whose model is sharded with FSDP2 on construction: `Trainer(...)` → `FSDP2Trainer(...)`."""
@@ -545,25 +210,6 @@ class FSDP2Trainer(FSDP2Mixin, Trainer):
 
 _DEFAULT_SEED: int = TrainingArguments.__dataclass_fields__["seed"].default
 _NO_INIT_KWARGS = object()
-
-
-def _sharding_extra_models(
-    accelerate_prepare: Callable[..., nn.Module], trainer: FSDP2Mixin
-) -> Callable[..., nn.Module]:
-    """Wrap `Accelerator.prepare_model` so a subclass's extra model (DPO's reference) is sharded, not replicated.
-
-    Trainer itself prepares its own (already sharded) model through it; any other model prepared for
-    evaluation is frozen and sharded like the trained one (a frozen root reshards after every forward).
-    """
-
-    def prepare(model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False) -> nn.Module:
-        if evaluation_mode and model is not trainer.model and not isinstance(model, FSDPModule):
-            model.requires_grad_(False)
-            with loading_for_real():
-                return prepare_model(model, trainer.fsdp2_config, bf16=trainer.args.bf16).eval()
-        return accelerate_prepare(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
-
-    return prepare
 
 
 def _bind(init: Callable[..., None], args: tuple[Any, ...], kwargs: dict[str, Any]) -> inspect.BoundArguments:
@@ -582,164 +228,3 @@ def _builds_from_paths(init: Callable[..., None]) -> bool:
     if parameter is None or parameter.annotation is inspect.Parameter.empty:
         return False
     return "str" in re.findall(r"\w+", str(parameter.annotation))
-
-
-def _consolidate_callback(config: FSDP2Config) -> ConsolidateCallback:
-    """The end-of-training export the config asks for (added unless the user passed their own)."""
-    return ConsolidateCallback(
-        dtype=config.export_dtype, max_shard_size=config.max_shard_size, merge_adapters=config.merge_adapters_on_save
-    )
-
-
-def _unwrap_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """The torch optimizer inside Accelerate's wrapper (DCP's state-dict helpers need the real one)."""
-    return getattr(optimizer, "optimizer", optimizer)
-
-
-def _validate_args(model: Any, kwargs: dict[str, Any]) -> None:
-    """Reject a trainer with nothing to train before any process group is started."""
-    if model is None and kwargs.get("model_init") is None:
-        raise ValueError(
-            "FSDP2Trainer needs `model` (a path to a Hugging Face model folder or an nn.Module) or `model_init`."
-        )
-
-
-def _validate_training_args(args: TrainingArguments, config: FSDP2Config) -> None:
-    """Reject TrainingArguments fields sharding cannot honour (`argument_verdicts`), and activations checkpointed
-    twice (their FSDP settings were carried into FSDP2Config already: from_accelerate)."""
-    refuse_arguments(args)
-    if args.activation_checkpointing and config.fsdp_activation_checkpointing:
-        raise ValueError(
-            "Both TrainingArguments(activation_checkpointing=True) and FSDP2Config(fsdp_activation_checkpointing=True) "
-            "are set; keep only FSDP2Config's, which checkpoints each FSDP unit."
-        )
-
-
-def _adopt_cpu_process_group(args: TrainingArguments) -> None:
-    """On a machine without accelerators, let Accelerate see torchrun's CPU process group (no use_cpu=True needed).
-
-    Accelerate counts torchrun's processes on the CPU only with `use_cpu=True`; without it every rank would
-    train alone on the same batches. The same script then runs on a laptop and on a GPU cluster.
-    """
-    launched = dist.get_world_size()
-    if args.use_cpu or launched == 1 or args.world_size == launched or torch.accelerator.is_available():
-        return
-    args.use_cpu = True
-    args.dataloader_pin_memory = False  # what TrainingArguments itself sets for use_cpu
-    args.__dict__.pop("_setup_devices", None)  # the cached device set-up made without use_cpu
-    args._setup_devices  # noqa: B018  (set up again: resets Accelerate's state, which now sees the CPU group)
-    log_rank0("No accelerator on this machine: training on the CPU process group of %d ranks (use_cpu=True).", launched)
-
-
-def _check_world_size(args: TrainingArguments) -> None:
-    """Refuse a Trainer that sees one process while torchrun started several (it would not split the data)."""
-    launched = dist.get_world_size()
-    if launched > 1 and args.world_size != launched:
-        raise ValueError(
-            f"torchrun started {launched} processes but TrainingArguments sees world_size={args.world_size} on "
-            f"{args.device}, so every rank would train on the same batches. Launch one process per accelerator "
-            "(torchrun --nproc_per_node = the number of devices), or pass use_cpu=True to train on the CPU."
-        )
-
-
-def repoint_optimizer(optimizer: torch.optim.Optimizer, original_names: dict[int, str], model: nn.Module) -> None:
-    """Point an optimizer built over the unsharded parameters at the sharded ones, by name.
-
-    Raises:
-        ValueError: when the optimizer has already stepped or holds a parameter that is not the model's.
-    """
-    if optimizer.state:
-        raise ValueError(
-            "the optimizer passed in `optimizers` already has state (it has stepped); pass a fresh optimizer."
-        )
-    sharded = dict(model.named_parameters())
-    current = {id(p) for p in sharded.values()}
-    for group in optimizer.param_groups:
-        params = []
-        for index, param in enumerate(group["params"]):
-            if id(param) in current:
-                params.append(param)
-                continue
-            name = original_names.get(id(param))
-            if name is None or name not in sharded:
-                raise ValueError(
-                    f"optimizer parameter #{index} (shape {tuple(param.shape)}) is not a parameter of the model "
-                    "given to FSDP2Trainer; build the optimizer over that model's parameters."
-                )
-            params.append(sharded[name])
-        group["params"] = params
-
-
-def _loss_uses_num_items(model: nn.Module) -> bool:
-    """False when the model's loss ignores `num_items_in_batch`, so Trainer must not scale it by the world size.
-
-    Trainer assumes a forward with `**kwargs` normalizes its loss by the global token count and multiplies
-    the loss by the number of ranks; a model that computes its own mean loss (T5, BART, sequence
-    classification, a plain nn.Module) would then train on a loss (and gradients) N times too large.
-    """
-    model = unwrap_peft(model)
-    forward = forward_source(model)  # None (built at run time): keep Trainer's own rule
-    if forward is not None and "loss_function" not in forward and "num_items_in_batch" not in forward:
-        return False
-    loss_function = getattr(model, "loss_function", None)
-    if loss_function is None:
-        return True
-    try:
-        parameters = inspect.signature(loss_function).parameters
-    except (TypeError, ValueError):
-        return True
-    return "num_items_in_batch" in parameters
-
-
-def _passes_num_items_to_loss(model: nn.Module) -> bool:
-    """True when the model's forward calls `self.loss_function(..., **kwargs)`, which receives num_items_in_batch."""
-    forward = forward_source(unwrap_peft(model)) or ""
-    call = forward.partition("self.loss_function(")[2].partition(")")[0]
-    return "**kwargs" in call
-
-
-def _own_compute_loss(trainer: Trainer) -> list[type]:
-    """The classes below Trainer other than FSDP2Mixin (TRL's, a user's subclass of FSDP2Trainer or of the trainer
-    it mixes into) that define their own compute_loss: they may read logits the chunked loss never makes, or whole
-    rows sequence parallelism never holds."""
-    mro = type(trainer).__mro__
-    return [cls for cls in mro[: mro.index(Trainer)] if "compute_loss" in vars(cls) and cls is not FSDP2Mixin]
-
-
-def _check_sequence_parallel_trainer(trainer: Trainer) -> None:
-    """Refuse losses that read a whole row's logits, which a rank holding a slice of the row never has.
-
-    Raises:
-        ValueError: naming the trainer class, compute_loss_func or label smoothing.
-    """
-    own = [cls.__name__ for cls in _own_compute_loss(trainer) if cls.__name__ not in _SLICE_AWARE_TRAINERS]
-    problem = (
-        f"{own[0]} computes its own loss from whole rows"
-        if own
-        else "compute_loss_func receives whole rows' logits"
-        if trainer.compute_loss_func is not None
-        else "label smoothing shifts the labels of each slice"
-        if trainer.args.label_smoothing_factor
-        else None
-    )
-    if problem is not None:
-        raise ValueError(
-            f"FSDP2Config(sequence_parallel_size={trainer.fsdp2_config.sequence_parallel_size}): {problem}, but each "
-            "rank holds only a slice of each row. Use FSDP2Trainer / FSDP2SFTTrainer with the model's own loss, or "
-            "set sequence_parallel_size=1."
-        )
-
-
-# Trainers whose own compute_loss scores pre-shifted `shift_labels` slice by slice (TRL's SFT: its fused LM head).
-_SLICE_AWARE_TRAINERS = ("SFTTrainer",)
-
-
-def _base_model_bytes(model: nn.Module) -> int:
-    """Bytes of the model's non-adapter parameters (global sizes), to put adapter checkpoints in proportion."""
-    facts = facts_of(model)
-    return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not facts.is_adapter(n))
-
-
-def _folder_bytes(folder: str) -> int:
-    """Total size of the files under `folder`."""
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(folder) for f in files)

@@ -124,7 +124,7 @@ def fill_disk_at_save(nth: int, out: str) -> None:
 
     import torch.distributed as dist
 
-    import hf_fsdp2.trainer as trainer_module
+    import hf_fsdp2.trainer_checkpoint as trainer_module
 
     real, calls = trainer_module.check_room, {"n": 0}
 
