@@ -363,6 +363,27 @@ def worker(jobs_path: str) -> None:
     with open(jobs_path) as f:
         jobs = json.load(f)
     out = jobs_path.replace("jobs-", "out-").replace(".json", ".jsonl")
+    with cpu_attention():
+        run_jobs(jobs, out)
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # a forked worker's exit runs no atexit handlers (scripts/benchmark/forked_ranks.py)
+        dist.destroy_process_group()
+
+
+def cpu_attention() -> Any:
+    """On the CPU rehearsal, attention through sdpa's math kernel: torch 2.13's CPU flash kernel fails in bf16 on a
+    CPU without AVX-512 ('pack_vnni2 is only supported when avx512 is supported'); on a GPU, sdpa chooses."""
+    import contextlib
+
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return contextlib.nullcontext() if torch.cuda.is_available() else sdpa_kernel([SDPBackend.MATH])
+
+
+def run_jobs(jobs: list[dict], out: str) -> None:
+    """Do each run, appending its figures to the part's JSONL as it ends."""
     for spec in jobs:
         start = time.perf_counter()
         try:
@@ -375,10 +396,6 @@ def worker(jobs_path: str) -> None:
         with open(out, "a") as f:
             f.write(json.dumps(record) + "\n")
         print(f"[gpu_check] {spec['part']}: {spec['name']} done in {record['seconds']} s", flush=True)
-    import torch.distributed as dist
-
-    if dist.is_initialized():  # a forked worker's exit runs no atexit handlers (scripts/benchmark/forked_ranks.py)
-        dist.destroy_process_group()
 
 
 def free_memory() -> None:
