@@ -41,3 +41,16 @@ def test_star_import_and_unknown_names_in_a_fresh_process():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert "module 'hf_fsdp2' has no attribute 'FSDP2Trainr'" in proc.stdout
+
+
+def test_the_api_page_documents_every_public_name():
+    """docs/reference/api.md renders each name of `hf_fsdp2.__all__` (a `::: module.Name` line), FSDP2Config aside (its
+    own page, docs/reference/config.md), so a new public name cannot be left out of the API reference."""
+    import os
+
+    import hf_fsdp2
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "docs", "reference", "api.md")) as f:
+        rendered = {line.split(".")[-1].strip() for line in f if line.startswith("::: ")}
+    assert set(hf_fsdp2.__all__) - rendered == {"FSDP2Config"}
