@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, EarlyStoppingCallback, Trainer, TrainingArguments
 
-from tests.workers.scenarios import PARITY_ADAM_EPSILON, full_weights, losses, run_scenarios
+from tests.workers.scenarios import full_weights, losses, parity_arguments, run_scenarios
 from tests.workers.train_worker import make_dataset
 
 MODE, OUT, LLAMA = sys.argv[1:4]
@@ -33,23 +33,7 @@ else:
 
 def args(name: str, **overrides: Any) -> TrainingArguments:
     """The per-device batch keeps the global batch equal at any world size."""
-    values: dict[str, Any] = dict(
-        output_dir=os.path.join(RUN_DIR, name),
-        per_device_train_batch_size=GLOBAL_BATCH // WORLD,
-        per_device_eval_batch_size=GLOBAL_BATCH // WORLD,
-        max_steps=4,
-        learning_rate=1e-2,
-        adam_epsilon=PARITY_ADAM_EPSILON,  # compared element-wise across world sizes: see its definition
-        lr_scheduler_type="constant",
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        disable_tqdm=True,
-        seed=7,
-    )
-    values.update(overrides)
-    return TrainingArguments(**values)
+    return parity_arguments(os.path.join(RUN_DIR, name), GLOBAL_BATCH // WORLD, **overrides)
 
 
 def train(name: str, **overrides: Any) -> tuple[Trainer, dict[str, Any]]:

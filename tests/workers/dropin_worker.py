@@ -25,9 +25,9 @@ from transformers import (
 )
 
 from tests.workers.scenarios import (
-    PARITY_ADAM_EPSILON,
     full_weights,
     losses,
+    parity_arguments,
     run_scenarios,
     saved_configs,
     saved_tensors,
@@ -100,23 +100,7 @@ def regression_data(n: int, seed: int = 0) -> Dataset:
 
 def args(name: str, **overrides: Any) -> TrainingArguments:
     """Arguments a user would write; the per-device batch keeps the global batch equal at any world size."""
-    values: dict[str, Any] = dict(
-        output_dir=os.path.join(RUN_DIR, name),
-        per_device_train_batch_size=GLOBAL_BATCH // WORLD,
-        per_device_eval_batch_size=GLOBAL_BATCH // WORLD,
-        max_steps=4,
-        learning_rate=1e-2,
-        adam_epsilon=PARITY_ADAM_EPSILON,  # compared element-wise across world sizes: see its definition
-        lr_scheduler_type="constant",
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        disable_tqdm=True,
-        seed=7,
-    )
-    values.update(overrides)
-    return TrainingArguments(**values)
+    return parity_arguments(os.path.join(RUN_DIR, name), GLOBAL_BATCH // WORLD, **overrides)
 
 
 def causal_model() -> nn.Module:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
-from tests.workers.scenarios import PARITY_ADAM_EPSILON, full_weights, losses, run_scenarios
+from tests.workers.scenarios import PARITY_ADAM_EPSILON, full_weights, losses, parity_arguments, run_scenarios
 from tests.workers.train_worker import make_dataset
 
 MODE, OUT, LLAMA = sys.argv[1:4]
@@ -35,22 +35,7 @@ else:
 
 def args(name: str, **overrides: Any) -> TrainingArguments:
     """The per-device batch keeps the global batch equal at any world size; fp32, constant learning rate."""
-    values: dict[str, Any] = dict(
-        output_dir=os.path.join(RUN_DIR, name),
-        per_device_train_batch_size=GLOBAL_BATCH // WORLD,
-        max_steps=4,
-        learning_rate=1e-3,
-        adam_epsilon=PARITY_ADAM_EPSILON,  # compared element-wise across world sizes: see its definition
-        lr_scheduler_type="constant",
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        disable_tqdm=True,
-        seed=7,
-    )
-    values.update(overrides)
-    return TrainingArguments(**values)
+    return parity_arguments(os.path.join(RUN_DIR, name), GLOBAL_BATCH // WORLD, **{"learning_rate": 1e-3, **overrides})
 
 
 def model() -> torch.nn.Module:

@@ -14,7 +14,7 @@ from typing import Any
 from safetensors.torch import load_file
 from torch import nn
 from torch.distributed.tensor import DTensor
-from transformers import Trainer
+from transformers import Trainer, TrainingArguments
 
 # Adam's epsilon in every run whose weights are compared element-wise with another run's.
 #
@@ -28,6 +28,28 @@ from transformers import Trainer
 # any CPU. Real differences still show, more than with the default: Adam is then no longer blind to a gradient's
 # scale (a gradient off by a factor of 2 moves weights apart by a few percent of lr per step).
 PARITY_ADAM_EPSILON = 1e-3
+
+
+def parity_arguments(output_dir: str, per_device: int, **overrides: Any) -> TrainingArguments:
+    """Arguments of a parity run (fp32 on the CPU, constant learning rate, a loss every step): `per_device` is the
+    global batch over the world size, so every world size trains on the same batches."""
+    values: dict[str, Any] = dict(
+        output_dir=output_dir,
+        per_device_train_batch_size=per_device,
+        per_device_eval_batch_size=per_device,
+        max_steps=4,
+        learning_rate=1e-2,
+        adam_epsilon=PARITY_ADAM_EPSILON,  # compared element-wise across world sizes: see its definition
+        lr_scheduler_type="constant",
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=7,
+    )
+    values.update(overrides)
+    return TrainingArguments(**values)
 
 
 def full_weights(model: nn.Module, trainable_only: bool = False) -> dict[str, list[float]]:
