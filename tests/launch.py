@@ -193,6 +193,15 @@ def run_batch(
     return run(script, nproc, "--batch", path, timeout=timeout)
 
 
+def load_runs(out: str, *names: str) -> dict[str, dict[str, Any]]:
+    """Read the NAME.json files a batch of worker runs wrote under `out` (one per mode and world size), by name."""
+    runs = {}
+    for name in names:
+        with open(os.path.join(out, f"{name}.json")) as f:
+            runs[name] = json.load(f)
+    return runs
+
+
 def load_result(out: str) -> dict[str, Any]:
     """Read the result.json rank 0 wrote."""
     with open(os.path.join(out, "result.json")) as f:

@@ -6,15 +6,13 @@ fails at construction with a message naming it."""
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 from typing import Any
 
 import pytest
 from transformers import TrainingArguments
 
 from hf_fsdp2.argument_verdicts import VERDICTS
-from tests.launch import run
+from tests.launch import load_runs, run
 from tests.test_dropin import differences
 
 PARITY = ["label_smoothing", "tokens_seen", "empty_cache", "group_by_length", "save_only_model"]
@@ -39,11 +37,7 @@ def argument_runs(tmp_path_factory: pytest.TempPathFactory, tiny) -> dict[str, d
         ("fsdp2", 2, [*REFERENCE, "refusals"]),
     ):
         run("arguments_worker.py", nproc, mode, str(out), tiny("llama"), *scenarios, timeout=600)
-    results = {}
-    for name in ("plain-1", "plain-2", "fsdp2-2"):
-        with open(os.path.join(out, f"{name}.json")) as f:
-            results[name] = json.load(f)
-    return results
+    return load_runs(out, "plain-1", "plain-2", "fsdp2-2")
 
 
 @pytest.mark.parametrize("scenario", list(REFERENCE))

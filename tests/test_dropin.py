@@ -8,13 +8,11 @@ close_distributed(), like a user's script: the 2-rank launch must still exit 0.
 
 from __future__ import annotations
 
-import json
-import os
 from typing import Any
 
 import pytest
 
-from tests.launch import run
+from tests.launch import load_runs, run
 
 TOLERANCE = 1e-5
 
@@ -28,11 +26,7 @@ def dropin(tmp_path_factory: pytest.TempPathFactory, tiny) -> dict[str, dict[str
         tiny(name)
     for mode, nproc in (("plain", 0), ("fsdp2", 0), ("fsdp2", 2)):
         run("dropin_worker.py", nproc, mode, str(out), *models, timeout=900)
-    results = {}
-    for name in ("plain-1", "fsdp2-1", "fsdp2-2"):
-        with open(os.path.join(out, f"{name}.json")) as f:
-            results[name] = json.load(f)
-    return results
+    return load_runs(out, "plain-1", "fsdp2-1", "fsdp2-2")
 
 
 def differences(expected: Any, actual: Any, path: str = "") -> list[str]:

@@ -4,12 +4,9 @@ model (beta > 0) is sharded frozen, and LoRA trains with adapter-only checkpoint
 
 from __future__ import annotations
 
-import json
-import os
-
 import pytest
 
-from tests.launch import run
+from tests.launch import load_runs, run
 
 pytest.importorskip("trl", reason="the 'trl' extra")
 
@@ -19,11 +16,7 @@ def grpo(tmp_path_factory, tiny) -> dict[str, dict]:
     out = tmp_path_factory.mktemp("grpo")
     run("grpo_worker.py", 0, "plain", str(out), tiny("llama"), "logps", timeout=600)
     run("grpo_worker.py", 2, "fsdp2", str(out), tiny("llama"), timeout=900)
-    results = {}
-    for name in ("plain-1", "fsdp2-2"):
-        with open(os.path.join(out, f"{name}.json")) as f:
-            results[name] = json.load(f)
-    return results
+    return load_runs(out, "plain-1", "fsdp2-2")
 
 
 def _ok(result: dict) -> dict:

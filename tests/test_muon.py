@@ -9,7 +9,6 @@ to FSDP2Trainer at 2 ranks against plain Trainer in one process, and resumes.
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
@@ -18,7 +17,7 @@ import torch.optim._muon as torch_muon
 from torch import nn
 
 from hf_fsdp2.muon import NS_COEFFICIENTS, NS_EPS, NS_STEPS, Muon, MuonAdamW, adjusted_lr, orthogonalise
-from tests.launch import load_result, run
+from tests.launch import load_result, load_runs, run
 
 TOLERANCE = 1e-5
 
@@ -113,11 +112,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory, tiny) -> dict[str, dict]:
     llama = tiny("llama")
     for mode, nproc in (("plain", 0), ("fsdp2", 2), ("fsdp2", 0)):
         run("optim_worker.py", nproc, mode, str(out), llama, "muon", "muon_resume", "torch_muon", timeout=900)
-    results = {}
-    for name in ("plain-1", "fsdp2-2", "fsdp2-1"):
-        with open(os.path.join(out, f"{name}.json")) as f:
-            results[name] = json.load(f)
-    return results
+    return load_runs(out, "plain-1", "fsdp2-2", "fsdp2-1")
 
 
 def _max_difference(expected: dict, actual: dict) -> float:

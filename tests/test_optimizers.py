@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 
 import pytest
 import torch
 from transformers.training_args import OptimizerNames
 
 from hf_fsdp2.optimizers import OPTIM_VERDICTS, check_optim
-from tests.launch import run
+from tests.launch import load_runs, run
 
 TOLERANCE = 1e-5
 RESUMED = ["adafactor", "lion_32bit", "ademamix"]  # one of each kind that needs an adapter, resumed
@@ -69,11 +68,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory, tiny) -> dict[str, dict]:
     refusals = [f"optim={n}" for n in _refused_values()]
     for mode, nproc, extra in (("plain", 0, []), ("fsdp2", 2, refusals), ("fsdp2", 0, [])):
         run("optim_worker.py", nproc, mode, str(out), llama, *scenarios, *extra, timeout=1200)
-    results = {}
-    for name in ("plain-1", "fsdp2-2", "fsdp2-1"):
-        with open(os.path.join(out, f"{name}.json")) as f:
-            results[name] = json.load(f)
-    return results
+    return load_runs(out, "plain-1", "fsdp2-2", "fsdp2-1")
 
 
 def _difference(expected: dict, actual: dict) -> float:

@@ -4,13 +4,10 @@ trained exactly as one process training the same NF4 model (torchao's `to_nf4` o
 
 from __future__ import annotations
 
-import json
-import os
-
 import pytest
 import torch
 
-from tests.launch import run
+from tests.launch import load_runs, run
 from tests.test_dropin import differences
 
 pytest.importorskip("torchao", reason="the 'qlora' extra")
@@ -45,11 +42,7 @@ def qlora(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
         timeout=600,
     )
     run("qlora_worker.py", 0, "fsdp2", str(out), str(out / "model"), "resume_elsewhere", timeout=600)
-    results = {}
-    for name in ("plain-1", "fsdp2-2", "fsdp2-1"):
-        with open(os.path.join(out, f"{name}.json")) as f:
-            results[name] = json.load(f)
-    return results
+    return load_runs(out, "plain-1", "fsdp2-2", "fsdp2-1")
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)

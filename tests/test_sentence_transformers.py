@@ -5,14 +5,12 @@ weights); a user's module with its own save_pretrained is written by it."""
 
 from __future__ import annotations
 
-import json
-import os
 from typing import Any
 
 import pytest
 from torch import nn
 
-from tests.launch import run
+from tests.launch import load_runs, run
 from tests.tiny_models import llama, save_tiny_sentence_transformer
 
 pytest.importorskip("sentence_transformers")
@@ -32,11 +30,7 @@ def st_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any
         ("fsdp2", 2, [*REFERENCE, "own_save"]),
     ):
         run("st_worker.py", nproc, mode, str(out), model, *scenarios, timeout=600)
-    results = {}
-    for name in ("plain-1", "plain-2", "fsdp2-2"):
-        with open(os.path.join(out, f"{name}.json")) as f:
-            results[name] = json.load(f)
-    return results
+    return load_runs(out, "plain-1", "plain-2", "fsdp2-2")
 
 
 def largest_difference(a: list[float], b: list[float]) -> float:

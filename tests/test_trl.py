@@ -4,13 +4,11 @@ train; DPO's reference model is sharded and frozen."""
 
 from __future__ import annotations
 
-import json
-import os
 from typing import Any
 
 import pytest
 
-from tests.launch import run
+from tests.launch import load_runs, run
 from tests.test_dropin import differences
 
 pytest.importorskip("trl")
@@ -21,11 +19,7 @@ def trl_runs(tmp_path_factory: pytest.TempPathFactory, tiny) -> dict[str, dict[s
     out = tmp_path_factory.mktemp("trl")
     for mode, nproc in (("plain", 0), ("fsdp2", 2)):
         run("trl_worker.py", nproc, mode, str(out), tiny("llama"), timeout=900)
-    results = {}
-    for name in ("plain-1", "fsdp2-2"):
-        with open(os.path.join(out, f"{name}.json")) as f:
-            results[name] = json.load(f)
-    return results
+    return load_runs(out, "plain-1", "fsdp2-2")
 
 
 @pytest.mark.parametrize("scenario", ["sft_full", "sft_lora", "sft_lora_object", "dpo_full", "dpo_lora"])

@@ -5,13 +5,11 @@ and weights of plain one-process TRL (KTO: of TRL under DDP at 2 ranks, since it
 
 from __future__ import annotations
 
-import json
-import os
 from typing import Any
 
 import pytest
 
-from tests.launch import run
+from tests.launch import load_runs, run
 from tests.test_dropin import differences
 
 pytest.importorskip("trl")
@@ -27,11 +25,7 @@ def built_runs(tmp_path_factory: pytest.TempPathFactory, tiny) -> dict[str, dict
     checkpoint = ["--reward-checkpoint", tiny("llama_reward")]
     for mode, nproc, scenarios in (("plain", 0, REWARD), ("plain", 2, ["kto_full"]), ("fsdp2", 2, list(REFERENCE))):
         run("trl_worker.py", nproc, mode, str(out), tiny("llama"), *scenarios, *checkpoint, timeout=900)
-    results = {}
-    for name in ("plain-1", "plain-2", "fsdp2-2"):
-        with open(os.path.join(out, f"{name}.json")) as f:
-            results[name] = json.load(f)
-    return results
+    return load_runs(out, "plain-1", "plain-2", "fsdp2-2")
 
 
 @pytest.mark.parametrize("scenario", list(REFERENCE))

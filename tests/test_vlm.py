@@ -8,13 +8,12 @@ batches (tests/workers/vlm_worker.py).
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
 import pytest
 
-from tests.launch import run
+from tests.launch import load_runs, run
 from tests.test_dropin import differences
 from tests.tiny_vlms import FAMILIES, save_tiny_vlm
 
@@ -30,11 +29,7 @@ def vlm_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, An
         save_tiny_vlm(name, models)
     for mode, nproc in (("plain", 0), ("fsdp2", 2)):
         run("vlm_worker.py", nproc, mode, str(out), models, timeout=600)
-    results = {}
-    for name in ("plain-1", "fsdp2-2"):
-        with open(os.path.join(out, f"{name}.json")) as f:
-            results[name] = json.load(f)
-    return results
+    return load_runs(out, "plain-1", "fsdp2-2")
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
