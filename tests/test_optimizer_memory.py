@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import sys
 
 import pytest
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from hf_fsdp2.muon import Muon, split_for_muon
 from hf_fsdp2.optimizer_memory import PLANNED, state_bytes
+from tests.launch import ROOT
+
+sys.path.insert(0, os.path.join(ROOT, "scripts", "measure"))
+from measure_optimizer_state import render_markdown, state_bytes_of  # noqa: E402
 
 SHAPES = [(512, 256), (256, 512), (256,), (1000, 256)]  # two hidden matrices, a norm, an embedding
 
@@ -31,20 +36,7 @@ def measured(optimizer: torch.optim.Optimizer, model: nn.Module) -> int:
     for param in model.parameters():
         param.grad = torch.randn_like(param)
     optimizer.step()
-    total = 0
-    for state in optimizer.state.values():
-        for value in state.values():
-            if torch.is_tensor(value) and value.ndim > 0:
-                total += _bytes(value.to_local() if isinstance(value, DTensor) else value)
-    return total
-
-
-def _bytes(tensor: torch.Tensor) -> int:
-    """A tensor's bytes; torchao's quantised states are subclasses whose codes and scales are inner tensors."""
-    if hasattr(tensor, "__tensor_flatten__") and type(tensor) is not torch.Tensor:
-        names, _ = tensor.__tensor_flatten__()
-        return sum(_bytes(getattr(tensor, name)) for name in names)
-    return tensor.numel() * tensor.element_size()
+    return state_bytes_of(optimizer)
 
 
 def _optimizers() -> dict[str, object]:
@@ -128,17 +120,9 @@ def test_the_plan_command_sizes_the_optimizer_it_is_given(tiny, capsys):
 def test_docs_optimizer_state_table_is_the_committed_measurement():
     """docs/full-finetuning.md's optimizer-state table is rendered from scripts/results/optimizer_state.json: re-render
     with `python scripts/measure/measure_optimizer_state.py --from-json scripts/results/optimizer_state.json`."""
-    import json
-    import os
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    sys.path.insert(0, os.path.join(root, "scripts", "measure"))
-    from measure_optimizer_state import render_markdown
-
-    with open(os.path.join(root, "scripts", "results", "optimizer_state.json")) as f:
+    with open(os.path.join(ROOT, "scripts", "results", "optimizer_state.json")) as f:
         rows = json.load(f)["rows"]
-    with open(os.path.join(root, "docs", "full-finetuning.md")) as f:
+    with open(os.path.join(ROOT, "docs", "full-finetuning.md")) as f:
         page = f.read()
     begin, end = "<!-- optimizer-state:begin -->\n", "<!-- optimizer-state:end -->"
     assert page[page.index(begin) + len(begin) : page.index(end)].strip() == render_markdown(rows).strip()

@@ -15,8 +15,13 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
+from tests.launch import ROOT
 from tests.workers.scenarios import PARITY_ADAM_EPSILON, full_weights, losses, parity_arguments, run_scenarios
 from tests.workers.train_worker import make_dataset
+
+# The state counter of the measurement script, so the test and the docs' table count bytes the same way.
+sys.path.insert(0, os.path.join(ROOT, "scripts", "measure"))
+from measure_optimizer_state import state_bytes_of  # noqa: E402
 
 MODE, OUT, LLAMA = sys.argv[1:4]
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
@@ -48,23 +53,8 @@ def train(name: str, **kwargs: Any) -> dict[str, Any]:
     trainer = TrainerClass(model(), args(name, **kwargs.pop("args", {})), train_dataset=make_dataset(32, 96), **kwargs)
     trainer.train()
     result = {"losses": losses(trainer), "weights": full_weights(trainer.model), "optimizer": _optimizer_name(trainer)}
-    result["per_rank"] = {"state_bytes": _state_bytes(trainer)}  # differs by world size: not compared
+    result["per_rank"] = {"state_bytes": state_bytes_of(trainer.optimizer)}  # differs by world size: not compared
     return result
-
-
-def _state_bytes(trainer: Trainer) -> int:
-    """Bytes of this rank's optimizer state (local shards; torchao's quantised codes and scales)."""
-    from torch.distributed.tensor import DTensor
-
-    def size(tensor: torch.Tensor) -> int:
-        if isinstance(tensor, DTensor):
-            return size(tensor.to_local())
-        if hasattr(tensor, "__tensor_flatten__") and type(tensor) is not torch.Tensor:
-            return sum(size(getattr(tensor, name)) for name in tensor.__tensor_flatten__()[0])
-        return tensor.numel() * tensor.element_size()
-
-    optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
-    return sum(size(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.ndim > 0)
 
 
 def _optimizer_name(trainer: Trainer) -> str:
