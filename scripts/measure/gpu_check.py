@@ -434,13 +434,13 @@ def build(spec: dict) -> dict:
             num_key_value_heads=shape["kv"], tie_word_embeddings=shape["tied"], rope_theta=500000.0,
             max_position_embeddings=131072,
         )  # fmt: skip
+        saved = os.path.exists(os.path.join(model_path(name), "config.json"))
         torch.manual_seed(0)
-        with torch.device(device):
+        with torch.device("meta" if saved else device):  # a model saved by an earlier call is only counted
             model = LlamaForCausalLM(config).to(getattr(torch, shape["dtype"]))
-        if not os.path.exists(os.path.join(model_path(name), "config.json")):
+        if not saved:
             model.save_pretrained(model_path(name))
-        params = sum(p.numel() for p in model.parameters())
-        described[name] = {**shape, "params": params}
+        described[name] = {**shape, "params": sum(p.numel() for p in model.parameters())}
         del model
     gpu = torch.cuda.get_device_properties(0) if device == "cuda" else None
     environment = {
