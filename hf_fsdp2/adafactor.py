@@ -17,6 +17,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from transformers.optimization import Adafactor
 
+from .distributed import alone
+
 
 class _Group:
     """Sums over the ranks a parameter's first dim is split across (nothing to sum when it is whole here)."""
@@ -25,7 +27,7 @@ class _Group:
         self.group, self.mesh_dim = None, None
         if isinstance(param, DTensor):
             for mesh_dim, placement in enumerate(param.placements):
-                if placement.is_shard() and param.device_mesh.size(mesh_dim) > 1:
+                if placement.is_shard() and not alone(param.device_mesh.get_group(mesh_dim)):
                     if placement != Shard(0) or self.group is not None:
                         raise ValueError(
                             f"Adafactor got a parameter of shape {tuple(param.shape)} placed {param.placements}; its "
@@ -114,7 +116,8 @@ class ShardedAdafactor(Adafactor):
         if group["beta1"] is not None:
             state["exp_avg"] = _as_dtensor(torch.zeros_like(grad), param, tuple(param.shape), split=True)
         if param.ndim >= 2:
-            rows, cols = torch.zeros(grad.shape[:-1]), torch.zeros(grad.shape[:-2] + grad.shape[-1:])
+            # NOTE: on the gradient's device (the accelerator): its row sums are all-reduced over the shard group.
+            rows, cols = grad.new_zeros(grad.shape[:-1]), grad.new_zeros(grad.shape[:-2] + grad.shape[-1:])
             state["exp_avg_sq_row"] = _as_dtensor(rows, param, tuple(param.shape[:-1]), split=True)
             # A 2-D matrix's column statistics are the same on every rank; a stack's are split by experts.
             state["exp_avg_sq_col"] = _as_dtensor(

@@ -16,10 +16,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from .distributed import get_device
+from .distributed import agree, alone
 
 GUARD_ATTR = "_hf_fsdp2_branch_guard"
 
@@ -124,10 +123,9 @@ class BranchGuard:
 
         NOTE: collective. Every rank calls it once per optimizer step, before the step.
         """
-        ran = torch.tensor([int(self.ran_in_step)], device=get_device())
-        dist.all_reduce(ran, op=dist.ReduceOp.MAX)
+        ran = agree([int(self.ran_in_step)], "max")[0]
         self.ran_in_step = False
-        if ran.item():
+        if ran:
             return
         for branch in self.modules:
             for param in branch.parameters():
@@ -140,7 +138,7 @@ class BranchGuard:
 
 def attach_branch_guard(model: nn.Module, branches: list[str], language_model: str | None) -> None:
     """Install the guard on a sharded model whose branches hold trainable parameters (kept on the model)."""
-    if not branches or (dist.is_initialized() and dist.get_world_size() == 1):
+    if not branches or alone():
         return
     guard = BranchGuard(model, branches, language_model)
     if guard.trains():

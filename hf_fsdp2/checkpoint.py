@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from .direct_io import DirectStream
 from .distcp_reader import SafeFileSystemReader
-from .distributed import get_device, is_rank0, raise_if_any_rank
+from .distributed import get_device, is_rank0, new_host_group, raise_if_any_rank
 from .facts import facts_of
 from .full_state_checkpoint import (
     has_full_model_state,
@@ -238,7 +238,7 @@ class PartSavers:
     """
 
     def __init__(self, async_save: bool = False) -> None:
-        self.groups = {part: dist.new_group(backend="gloo") for part in (MODEL_DIR, OPTIMIZER_DIR)}
+        self.groups = {part: new_host_group() for part in (MODEL_DIR, OPTIMIZER_DIR)}
         pinned = torch.cuda.is_available()
         options = StagingOptions(pinned, False, False, False)
         self.stagers = {part: DefaultStager(options) for part in (MODEL_DIR, OPTIMIZER_DIR)} if async_save else {}

@@ -15,11 +15,10 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
-from .distributed import warn_rank0
+from .distributed import agree, alone, is_host_group, new_host_group, warn_rank0
 from .gathering import free_memory, gathered, gathered_bytes
 
 # The methods `attach_collective_methods` sets on the sharded model (instance attributes).
@@ -36,10 +35,10 @@ def cpu_group() -> Any:
 
     NOTE: collective the first time on a non-gloo default group (creates the group): call it on every rank.
     """
-    if "gloo" in str(dist.get_backend()):
+    if is_host_group(None):
         return dist.group.WORLD
     if "gloo" not in _cpu_groups:
-        _cpu_groups["gloo"] = dist.new_group(backend="gloo")
+        _cpu_groups["gloo"] = new_host_group()
     return _cpu_groups["gloo"]
 
 
@@ -49,7 +48,7 @@ def all_ranks_join(what: str) -> None:
     Raises:
         RuntimeError: when some rank did not call `what` within JOIN_TIMEOUT_S seconds.
     """
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if alone():
         return
     try:
         dist.monitored_barrier(group=cpu_group(), timeout=timedelta(seconds=JOIN_TIMEOUT_S), wait_all_ranks=True)
@@ -69,7 +68,7 @@ def attach_collective_methods(model: nn.Module, export: Callable[..., None], gat
 
     NOTE: collective (it may create the gloo group the checks use).
     """
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if not alone():
         cpu_group()
     # Through __dict__: an instance attribute wins over the class's method (also over fully_shard's FSDP<Class>
     # and peft's wrappers), and push_to_hub calls self.save_pretrained.
@@ -97,7 +96,7 @@ def _generate(generate: Any, model: nn.Module | None, *args: Any, **kwargs: Any)
     """The model's own generate, once every rank has called it; with `model`, inside `gathered(model)` and unsynced
     when the gathered model fits on every rank (else per-token gathering, said once)."""
     all_ranks_join("generate")
-    if model is None or not _gathered_fits(model):
+    if model is None or not gathered_fits(model):
         return generate(*args, **kwargs)
     # NOTE: synced_gpus (set by transformers for a sharded model, and by Seq2SeqTrainer) keeps every rank running
     # forwards until all have finished, with an all-reduce per token, so per-token all-gathers stay matched. The
@@ -107,17 +106,15 @@ def _generate(generate: Any, model: nn.Module | None, *args: Any, **kwargs: Any)
         return generate(*args, **kwargs)
 
 
-def _gathered_fits(model: nn.Module) -> bool:
+def gathered_fits(model: nn.Module) -> bool:
     """True when every rank has room for the whole model in its compute dtype (the same answer on every rank)."""
     need = gathered_bytes(model)
-    fits = torch.tensor([1 if need <= GENERATION_HEADROOM * free_memory() else 0])
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(fits, op=dist.ReduceOp.MIN, group=cpu_group())
-    if not fits.item() and not getattr(model, "_hf_fsdp2_said_per_token", False):
+    fits = agree([1 if need <= GENERATION_HEADROOM * free_memory() else 0], "min", None if alone() else cpu_group())[0]
+    if not fits and not getattr(model, "_hf_fsdp2_said_per_token", False):
         model._hf_fsdp2_said_per_token = True
         warn_rank0(
             "generate: the gathered model (%.1f GiB in its compute dtype) would not fit beside what this rank holds; "
             "gathering each unit per token instead (slower). FSDP2Config(gather_for_generate=False) says so upfront.",
             need / 2**30,
         )
-    return bool(fits.item())
+    return bool(fits)

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from .distributed import is_rank0
+from .distributed import alone, is_rank0
 
 FULL_DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 # What torch.save's C++ writer says when a write comes up short (it carries no errno): seen on a full disk as
@@ -116,11 +116,11 @@ def raise_if_write_failed(
     failed_rank, found = _first(_describe(error) if error is not None else None)
     if found is None:
         return
-    if _world() > 1:
+    if not alone():
         dist.barrier()  # every rank has stopped writing into staging
     if is_rank0():
         shutil.rmtree(staging, ignore_errors=True)
-    if _world() > 1:
+    if not alone():
         dist.barrier()
     if isinstance(error, CheckpointWriteError):
         raise error  # already the clear error (the check before writing, raised alike on every rank)
@@ -196,7 +196,7 @@ def _world() -> int:
 
 def _gather(value: Any) -> list[Any]:
     """Every rank's `value`, in rank order (just this one's outside a process group)."""
-    if _world() == 1:
+    if alone():
         return [value]
     gathered: list[Any] = [None] * _world()
     dist.all_gather_object(gathered, value)

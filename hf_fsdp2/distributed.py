@@ -7,10 +7,11 @@ process it becomes a world of one, so the same code runs on a laptop. It knows n
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -187,6 +188,83 @@ def build_mesh(replicate_size: int = 1) -> DeviceMesh:
     )
 
 
+# Groups created for CPU-side work (monitored barriers, CPU flags, DCP's metadata exchange): gloo even when the
+# job's own groups are NCCL. Every other group is taken to serve the accelerator (see `collective_device`).
+_host_groups: list[dist.ProcessGroup] = []
+# False only inside `communicate_when_alone()`: then a group of one rank runs its collectives as any other would.
+_shortcut_when_alone = True
+
+
+def new_host_group() -> dist.ProcessGroup:
+    """A new gloo group over all ranks, for CPU tensors and monitored barriers (collective: every rank calls it)."""
+    group = dist.new_group(backend="gloo")
+    _host_groups.append(group)
+    return group
+
+
+def close_host_group(group: dist.ProcessGroup) -> None:
+    """Destroy a group from `new_host_group` and forget it."""
+    _host_groups[:] = [host for host in _host_groups if host is not group]
+    dist.destroy_process_group(group)
+
+
+def made_for_host(group: dist.ProcessGroup | None) -> bool:
+    """True for a group made by `new_host_group` (gloo whatever the job's backend)."""
+    return any(group is host for host in _host_groups)
+
+
+def is_host_group(group: dist.ProcessGroup | None) -> bool:
+    """True when `group` takes CPU tensors: a group made by `new_host_group`, or any group of a gloo-only job."""
+    return made_for_host(group) or str(dist.get_backend(group)) == "gloo"
+
+
+def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """The device of the tensors `group` takes: the CPU for gloo groups, this rank's accelerator otherwise.
+
+    NOTE: an NCCL group rejects CPU tensors ("No backend type associated with device type cpu"); gloo on the CPU
+    takes any tensor this project makes, so a wrong device never fails in the CPU suite. Every small tensor this
+    package hands to a collective is made here (`agree`), or on the device of the tensors it reduces.
+    """
+    return torch.device("cpu") if is_host_group(group) else get_device()
+
+
+def alone(group: dist.ProcessGroup | None = None) -> bool:
+    """True when there is nobody to talk to (no group, or a group of one) and collectives may be skipped."""
+    if not dist.is_initialized():
+        return True
+    return _shortcut_when_alone and dist.get_world_size(group) == 1
+
+
+@contextlib.contextmanager
+def communicate_when_alone() -> Iterator[None]:
+    """Run every collective even in a group of one, so a one-GPU machine drives each path through NCCL.
+
+    Used by the GPU check (`scripts/measure/gpu_check.py`, part "collectives"), not by training.
+    """
+    global _shortcut_when_alone
+    _shortcut_when_alone = False
+    try:
+        yield
+    finally:
+        _shortcut_when_alone = True
+
+
+def agree(values: Sequence[float], op: str, group: dist.ProcessGroup | None = None) -> list[float]:
+    """All ranks' `values` reduced elementwise by `op` ("max", "min" or "sum"): the one way small flags and counts
+    cross ranks, so their tensor is always on the device `group` takes.
+
+    NOTE: collective over `group`; every rank calls it with the same number of values.
+    """
+    ops = {"max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "sum": dist.ReduceOp.SUM}
+    if op not in ops:
+        raise ValueError(f"agree: op={op!r} is not one of {sorted(ops)}")
+    if alone(group):
+        return list(values)
+    flags = torch.tensor(list(values), dtype=torch.float64, device=collective_device(group))
+    dist.all_reduce(flags, op=ops[op], group=group)
+    return flags.tolist()
+
+
 def get_rank() -> int:
     """Return the global rank (0 outside a process group)."""
     return dist.get_rank() if dist.is_initialized() else 0
@@ -217,10 +295,9 @@ def check_same_on_all_ranks(what: str, value: Any) -> None:
     Raises:
         ValueError: when a rank's `value` differs from rank 0's (ranks run different scripts or arguments).
     """
-    world = dist.get_world_size()
-    if world == 1:
+    if alone():
         return
-    gathered: list[Any] = [None] * world
+    gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, value)
     for rank, other in enumerate(gathered):
         if other != gathered[0]:
@@ -236,7 +313,7 @@ def first_on_any_rank(value: Any) -> tuple[int, Any]:
     NOTE: collective; every rank must call it, whatever its own value.
     """
     gathered: list[Any] = [value]
-    if dist.get_world_size() > 1:
+    if not alone():
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, value)
     return next(((rank, found) for rank, found in enumerate(gathered) if found), (-1, None))
@@ -258,7 +335,7 @@ def broadcast_from_rank0(value: Any) -> Any:
 
     NOTE: collective; every rank must call it.
     """
-    if dist.get_world_size() == 1:
+    if alone():
         return value
     box = [value]
     dist.broadcast_object_list(box, src=0)

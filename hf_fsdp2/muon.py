@@ -20,6 +20,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.optim.adam import adam
 
+from .distributed import agree, alone
+
 # torch.optim.Muon's defaults (Keller Jordan's coefficients); `test_muon` checks they still are torch's.
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_STEPS = 5
@@ -79,7 +81,7 @@ def _shard_group(param: torch.Tensor) -> tuple[dist.ProcessGroup, int] | None:
     if not isinstance(param, DTensor):
         return None
     sharded = [(dim, p) for dim, p in enumerate(param.placements) if p.is_shard()]
-    if not sharded or param.device_mesh.size(sharded[0][0]) == 1:
+    if not sharded or alone(param.device_mesh.get_group(sharded[0][0])):
         return None
     mesh_dim, placement = sharded[0]
     if len(sharded) > 1 or placement != Shard(0):
@@ -165,9 +167,7 @@ class _Exchange:
         """
         failed = failure is not None
         for group in self.owned:
-            flag = torch.tensor([int(failed)])
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-            failed = failed or bool(flag.item())
+            failed = bool(agree([int(failed)], "max", group)[0]) or failed
         if failed:
             where = f"on this rank: {failure}" if failure else "on another rank of a shard group (see its log)"
             raise RuntimeError(f"Muon's Newton–Schulz step failed {where}")

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .distributed import alone
 from .nf4_nearest import nearest_codes
 
 BLOCK, SCALER_BLOCK = 64, 256  # torchao's defaults (and QLoRA's)
@@ -174,7 +175,7 @@ def global_mean_absmax(rows: torch.Tensor, group: Any = None) -> tuple[torch.Ten
     """
     nf4 = _torchao_nf4()
     local = nf4.get_block_absmax(rows.contiguous().flatten(), BLOCK)
-    if group is None or dist.get_world_size(group) == 1:
+    if group is None or alone(group):
         return local.mean(), local
     parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, local, group=group)

@@ -20,7 +20,7 @@ from transformers import PreTrainedModel
 
 from .adapter_checkpoint import full_copy
 from .collective_methods import COLLECTIVE_METHODS
-from .distributed import is_rank0
+from .distributed import alone, is_rank0
 from .facts import facts_of
 from .hf_export import export_dtype, prepare_output, publish
 from .sharding import original_class, reshard_all
@@ -70,16 +70,16 @@ def save_by_owner(
         except Exception as failure:
             shutil.rmtree(staging, ignore_errors=True)  # nothing half-written is left beside output_dir
             error[0] = f"{type(failure).__name__}: {failure}"
-            _share_error(error)
+            share_error(error)
             raise
-    _share_error(error)
+    share_error(error)
     if error[0] is not None:
         raise RuntimeError(f"rank 0 could not write {output_dir} with {type(model).__name__}'s own save: {error[0]}")
 
 
-def _share_error(error: list[str | None]) -> None:
+def share_error(error: list[str | None]) -> None:
     """Broadcast rank 0's failure (or None) so no rank waits on a save that will not come."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if not alone():
         dist.broadcast_object_list(error, src=0)
 
 

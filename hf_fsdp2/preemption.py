@@ -19,11 +19,9 @@ from collections.abc import Iterator
 from types import FrameType
 from typing import Any
 
-import torch
-import torch.distributed as dist
 from transformers import TrainerCallback
 
-from .distributed import warn_rank0
+from .distributed import agree, alone, close_host_group, is_host_group, new_host_group, warn_rank0
 
 
 class Preempted(SystemExit):
@@ -71,7 +69,7 @@ class PreemptionWatcher:
                 signal.signal(sig, handler)
             self._previous = {}
             if self._group is not None:
-                dist.destroy_process_group(self._group)
+                close_host_group(self._group)
                 self._group = None
 
     def _record(self, signum: int, frame: FrameType | None) -> None:
@@ -86,22 +84,15 @@ class PreemptionWatcher:
         """
         if not self.signals or not self._previous or step % self.check_steps:
             return 0
-        if not dist.is_initialized() or dist.get_world_size() == 1:
-            self.stop_signal = self.received
-            return self.stop_signal
-        flag = torch.tensor([self.received], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
-        self.stop_signal = int(flag.item())
+        self.stop_signal = int(agree([self.received], "max", self._group)[0])
         return self.stop_signal
 
 
 def _cpu_group() -> Any:
-    """A process group that reduces CPU tensors: the default one when it speaks gloo, else a new gloo group."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    """A process group that reduces CPU tensors: None (the default group) when that one is gloo, else a new one."""
+    if alone() or is_host_group(None):
         return None
-    if "gloo" in str(dist.get_backend()):
-        return None
-    return dist.new_group(backend="gloo")
+    return new_host_group()
 
 
 class PreemptionCallback(TrainerCallback):

@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .distributed import alone
+
 logger = logging.getLogger(__name__)
 # A model's own aux loss and our local recomputation must agree this well, or the model computes it otherwise
 # and is left alone.
@@ -70,7 +72,7 @@ def global_router_loss(
     counts, probs, rows = _router_sums(router_logits, experts, top_k, mask)
     local = experts * torch.sum((counts / rows) * (probs / rows))
     totals = torch.cat([counts, rows.reshape(1)]).detach()
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if not alone():
         dist.all_reduce(totals)
     global_counts, global_rows = totals[:-1], totals[-1]
     share = experts * torch.sum((global_counts / global_rows) * (probs / global_rows))

@@ -24,7 +24,7 @@ from .adapters import prompt_encoders
 from .branches import branch_names, inside_branch
 from .comm_buffers import pool_comm_buffers
 from .config import WRAP_POLICIES, FSDP2Config, resolve_dtype
-from .distributed import log_rank0, warn_rank0
+from .distributed import alone, log_rank0, warn_rank0
 from .facts import facts_of
 from .nf4 import is_nf4
 from .skeleton import set_tensor
@@ -280,9 +280,9 @@ def reduce_scalar_gradients(model: nn.Module) -> None:
 
     NOTE: a collective inside backward; every rank's graph uses the same scalars in the same order.
     """
-    world = dist.get_world_size()
-    if world == 1:
+    if alone():
         return
+    world = dist.get_world_size()
 
     def average(grad: torch.Tensor) -> torch.Tensor:
         total = grad.detach().clone()

@@ -65,9 +65,9 @@ def test_generate_gathers_per_token_when_the_gathered_model_would_not_fit(monkey
     model = nn.Linear(2, 2)
     monkeypatch.setattr(collective_methods, "gathered_bytes", lambda m: 10 * 2**30)
     monkeypatch.setattr(collective_methods, "free_memory", lambda: 2 * 2**30)
-    assert not collective_methods._gathered_fits(model)
-    assert not collective_methods._gathered_fits(model)
+    assert not collective_methods.gathered_fits(model)
+    assert not collective_methods.gathered_fits(model)
     said = [r.getMessage() for r in hf_fsdp2_records if "gathering each unit per token" in r.getMessage()]
     assert len(said) == 1 and "10.0 GiB" in said[0]
     monkeypatch.setattr(collective_methods, "free_memory", lambda: 100 * 2**30)
-    assert collective_methods._gathered_fits(model)
+    assert collective_methods.gathered_fits(model)
