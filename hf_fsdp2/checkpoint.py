@@ -245,6 +245,14 @@ class PartSavers:
         self.reuses_stagers = async_save and stager_stages_again()
         self.stagers = {part: DefaultStager(self._options) for part in (MODEL_DIR, OPTIMIZER_DIR)} if async_save else {}
 
+    def stager(self, part: str) -> DefaultStager:
+        """The stager for `part`'s next asynchronous save: the kept one, or a fresh one where torch's cannot stage
+        twice (the last save's writes are finished: the trainer waits for them before the next save)."""
+        if not self.reuses_stagers:
+            self.stagers[part].close()
+            self.stagers[part] = DefaultStager(self._options)
+        return self.stagers[part]
+
     def close(self) -> None:
         """Free the cached host buffers."""
         for stager in self.stagers.values():
