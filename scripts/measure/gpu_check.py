@@ -9,6 +9,8 @@ Parts, in the order they run (seconds each took on one H100 on 2026-11-27, impor
 estimates):
     install      the project's requirements from --wheels (pip --no-index --target), torch left as the image has it
     build        a 100M Llama (fp32) and a 1B Llama of Llama-3.2-1B's shape (bf16), random weights, saved once
+    collectives  every collective path of the package in a group of one, without the world-1 shortcut
+                 (scripts/measure/collective_paths.py): NCCL gets every tensor a job of N GPUs would hand it  (~30)
     parity       100M, 20 steps: FSDP2Trainer against plain Trainer, bf16 (fp32 masters) and fp32             59
     throughput   1B, 4 x 2048 tokens, bf16: FSDP2Trainer, Trainer, Trainer + Accelerate's FSDP2 plugin, each
                  with and without activation checkpointing: tokens/s, MFU, peak max_memory_allocated         92
@@ -16,7 +18,8 @@ estimates):
     qlora        1B, activation checkpointing: LoRA r=16 on a bf16 base against QLoRA (NF4 base)              32
     long_rows    1B, one row of 16k and 32k tokens, with and without loss_chunk_size                          47
     offload      1B, activation checkpointing, cpu_offload=True (against the throughput part's run)          32
-    generation   1B, 8 prompts x 128 tokens, 128 new: the gathered sharded model against the plain one         30
+    generation   1B, 8 prompts x 128 tokens, 128 new: the gathered sharded model against the plain one, both
+                 warmed up, then timed 3 times each in alternating order (medians)                          (~60)
     checkpoints  1B: sync and async save blocked time, resume, consolidation, on the workdir's disk   (~90)
     planner      `hf-fsdp2 plan` for a GPU against every measured FSDP2Trainer peak (goal: within 10%)        32
 
@@ -49,18 +52,19 @@ from typing import Any
 SCRIPTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROOT = os.path.dirname(SCRIPTS)
 # The benchmark's systems, worker helpers and forked ranks, and the shared memory readings (imported by bare name).
-IMPORTS = [os.path.join(SCRIPTS, "benchmark"), os.path.join(SCRIPTS, "common")]
+IMPORTS = [os.path.join(SCRIPTS, "benchmark"), os.path.join(SCRIPTS, "common"), os.path.join(SCRIPTS, "measure")]
 sys.path[:0] = IMPORTS
 
 # Dense bf16 peak FLOP/s by GPU name (SXM parts; the H200 has the H100's compute).
 PEAK_BF16 = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12, "B200": 2250e12}
 PARTS = (
-    *("parity", "throughput", "compile", "qlora", "long_rows", "offload", "generation", "checkpoints"),
-    "planner",
+    *("collectives", "parity", "throughput", "compile", "qlora", "long_rows", "offload", "generation"),
+    *("checkpoints", "planner"),
 )
 # Seconds each part took on one H100 (2026-11-27); checkpoints: its failed first try took 90.
 ESTIMATE_S = {"parity": 60, "throughput": 95, "compile": 40, "qlora": 35, "long_rows": 50, "offload": 35}
-ESTIMATE_S |= {"generation": 30, "checkpoints": 90, "planner": 35}
+ESTIMATE_S |= {"generation": 60, "checkpoints": 90, "planner": 35, "collectives": 30}
+GENERATION_REPEATS = 3
 PLANNER_RESERVE_S = 35  # kept back for the planner, which compares what the other parts measured
 BF16_REL_TOLERANCE = 0.02  # bf16 rounds to 2^-8 relative: 20 steps of two different bf16 programs stay within 2%
 FP32_TOLERANCE = 1e-5
@@ -100,6 +104,7 @@ def plan_runs(dry_run: bool) -> dict[str, list[dict[str, Any]]]:
         "qlora": [dict(ac, name=f"hf_fsdp2 {mode}", adapter=mode, lr=1e-4) for mode in ("lora", "qlora")],
         "long_rows": [dict(r, name=f"{r['seq']} tokens{' chunked' if r['chunk'] else ''}") for r in long],
         "offload": [dict(ac, name="hf_fsdp2 AC cpu_offload", offload=True, steps=4, warmup=1)],
+        "collectives": [dict(name="collective paths", kind="collectives")],
         "generation": [dict(model="m1b", name="generate", kind="generate", batch=8, prompt=128 if not dry_run else 16)],
         "checkpoints": [dict(model="m1b", name="checkpoints", kind="checkpoints", bf16=True, batch=1, seq=256)],
         "planner": [dict(name="planner", kind="planner")],
@@ -618,6 +623,8 @@ def _cuda() -> bool:
 
 def generate(spec: dict) -> dict:
     """Greedy generate tokens/s: the model sharded by FSDP2 and gathered for generate, against the plain model."""
+    import statistics
+
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -635,21 +642,26 @@ def generate(spec: dict) -> dict:
             hf_fsdp2.from_pretrained(path, dtype=dtype), hf_fsdp2.FSDP2Config(gather_for_generate=True)
         ).eval(),
     }
-    record: dict[str, Any] = {"new_tokens": new}
-    outputs = {}
-    for name, make in models.items():
-        model = make()
-        with torch.no_grad():
-            model.generate(ids, max_new_tokens=4, do_sample=False)  # warm-up: kernels, caches
-            reset_memory_mark()
-            start = time.perf_counter()
-            outputs[name] = model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
-            if _cuda():
-                torch.cuda.synchronize()
-            seconds = time.perf_counter() - start
-        record[name] = {"seconds": round(seconds, 3), "tokens_per_s": round(spec["batch"] * new / seconds, 1)}
-        del model
-        free_memory()
+    record: dict[str, Any] = {"new_tokens": new, "repeats": GENERATION_REPEATS}
+    built = {name: make() for name, make in models.items()}
+    outputs, seconds = {}, {name: [] for name in built}
+    with torch.no_grad():
+        for model in built.values():
+            model.generate(ids, max_new_tokens=4, do_sample=False)  # warm-up: kernels, caches, the gather path
+        # NOTE: alternating order, so neither model always runs first (the first timed run of a process was the
+        # slow one: 2.8x in an earlier check that timed the unsharded model first, once).
+        for repeat in range(GENERATION_REPEATS):
+            for name in list(built) if repeat % 2 == 0 else list(built)[::-1]:
+                start = time.perf_counter()
+                outputs[name] = built[name].generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+                if _cuda():
+                    torch.cuda.synchronize()
+                seconds[name].append(round(time.perf_counter() - start, 3))
+    for name, times in seconds.items():
+        median = statistics.median(times)
+        record[name] = {"seconds": times, "tokens_per_s": round(spec["batch"] * new / median, 1)}
+    del built
+    free_memory()
     record["same_tokens"] = bool(torch.equal(outputs["unsharded"], outputs["gathered"]))
     return record
 
@@ -761,7 +773,30 @@ def planner(spec: dict) -> dict:
     return {"rows": rows}
 
 
-RUNNERS = {"train": train, "generate": generate, "checkpoints": checkpoints, "planner": planner, "build": build}
+def collectives(spec: dict) -> dict:
+    """Every collective path of the package in this world (of one), none skipped; an error names the failing ones."""
+    import collective_paths
+
+    from hf_fsdp2.distributed import init_distributed
+
+    init_distributed()
+    import torch.distributed as dist
+
+    record: dict[str, Any] = {"backend": str(dist.get_backend()), "paths": collective_paths.run_paths()}
+    failed = {k: v for k, v in record["paths"].items() if v != "ok" and not v.startswith("skipped")}
+    if failed:
+        record["error"] = f"{len(failed)} path(s) failed: " + "; ".join(f"{k}: {v}" for k, v in failed.items())
+    return record
+
+
+RUNNERS = {
+    "collectives": collectives,
+    "train": train,
+    "generate": generate,
+    "checkpoints": checkpoints,
+    "planner": planner,
+    "build": build,
+}
 
 
 # ----------------------------------------------------------------------------------------------- the report
@@ -785,6 +820,7 @@ def render_markdown(results: dict) -> str:
         f"| {name} | {p['status']} | {p.get('seconds', '')} | {p.get('call', len(calls))} |"
         for name, p in parts.items()
     ]
+    lines += _collectives_table(parts.get("collectives", {}))
     lines += _parity_table(parts.get("parity", {}))
     lines += _throughput_table(parts, env)
     lines += _simple_table(parts, "qlora", ["load_peak_mib", "train_peak_mib", "step_median_s", "tokens_per_s"])
@@ -858,13 +894,22 @@ def _simple_table(parts: dict, part: str, keys: list[str]) -> list[str]:
     return lines
 
 
+def _collectives_table(part: dict) -> list[str]:
+    run = part.get("runs", {}).get("collective paths", {})
+    if not run or "paths" not in run:
+        return []
+    lines = ["", f"| collective path (world of one, {run['backend']}, no shortcut) | outcome |", "|---|---|"]
+    return lines + [f"| {name} | {outcome[:120]} |" for name, outcome in run["paths"].items()]
+
+
 def _generation_table(part: dict) -> list[str]:
     run = part.get("runs", {}).get("generate", {})
     if not run or not _ok(run):
         return []
     return [
         "",
-        f"| generate ({run['new_tokens']} new tokens) | tokens/s | same tokens |",
+        f"| generate ({run['new_tokens']} new tokens; median of {run.get('repeats', 1)}, alternating) | tokens/s "
+        "| same tokens |",
         "|---|---:|---|",
         f"| unsharded | {run['unsharded']['tokens_per_s']:,} | |",
         f"| FSDP2, gathered | {run['gathered']['tokens_per_s']:,} | {run['same_tokens']} |",
