@@ -11,8 +11,10 @@ against plain Trainer in one process, by value, and resumes.
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import sys
 
 import pytest
 import torch
@@ -24,7 +26,7 @@ from hf_fsdp2.muon import NS_COEFFICIENTS, NS_EPS, NS_STEPS, MuonAdamW, adjusted
 from hf_fsdp2.muon_routing import Muon, split_for_muon
 from hf_fsdp2.optimizer_memory import state_bytes
 from tests import tiny_models
-from tests.launch import load_result, load_runs, run
+from tests.launch import ROOT, load_result, load_runs, run
 
 TOLERANCE = 1e-5
 
@@ -270,3 +272,17 @@ def test_on_cuda_newton_schulz_and_a_whole_step_are_bit_equal_to_torchs():
         for optimizer in (*optimizers, ours):
             optimizer.step()
     assert torch.equal(model.weight, reference.weight) and torch.equal(model.bias, reference.bias)
+
+
+def test_docs_muon_step_table_is_the_committed_measurement():
+    """docs/full-finetuning.md's Muon step table is rendered from scripts/results/muon_step.json: re-render with
+    `python scripts/measure/measure_muon.py --from-json scripts/results/muon_step.json`."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts", "measure"))
+    from measure_muon import render_markdown
+
+    with open(os.path.join(ROOT, "scripts", "results", "muon_step.json")) as f:
+        rows = json.load(f)["rows"]
+    with open(os.path.join(ROOT, "docs", "full-finetuning.md")) as f:
+        page = f.read()
+    begin, end = "<!-- muon-step:begin -->\n", "<!-- muon-step:end -->"
+    assert page[page.index(begin) + len(begin) : page.index(end)].strip() == render_markdown(rows).strip()
