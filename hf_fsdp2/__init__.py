@@ -33,7 +33,8 @@ if TYPE_CHECKING:
     from .gathering import gathered
     from .memory_plan import plan
     from .model import prepare_model
-    from .muon import Muon, MuonAdamW
+    from .muon import MuonAdamW
+    from .muon_routing import Muon
     from .skeleton import from_pretrained
     from .trainer import FSDP2Mixin, FSDP2Trainer
 
@@ -45,7 +46,7 @@ _EXPORTS = {
     "FSDP2Config": "config",
     "FSDP2Mixin": "trainer",
     "FSDP2Trainer": "trainer",
-    "Muon": "muon",
+    "Muon": "muon_routing",
     "MuonAdamW": "muon",
     "close_distributed": "distributed",
     "consolidate": "consolidation",

@@ -263,7 +263,7 @@ def skeleton_sizes(config: Any, lora: Any, bf16: bool, nf4_shards: int | None = 
     with `nf4_shards`, the weights that are NF4 at that shard count are counted in NF4 bytes (QLoRA)."""
     from .config import FSDP2Config
     from .loading import needs_conversion
-    from .muon import split_for_muon
+    from .muon_routing import split_for_muon
     from .nf4 import nf4_candidates
     from .sharding import block_classes, select_units
 

@@ -1,11 +1,14 @@
-"""Muon on FSDP2 shards, exact: each matrix is orthogonalised whole, once per step, by the rank that owns it.
+"""Muon on FSDP2 shards: each matrix orthogonalised whole, once per step, by the rank that owns it.
 
 Muon's step is elementwise except for the Newton–Schulz orthogonalisation of the whole update matrix (and the
 learning-rate scale that reads the whole matrix's shape). Momentum runs on each rank's rows; each matrix's rows are
-gathered on one owner rank of its shard group (matrices dealt round-robin), orthogonalised there, and scattered back.
+gathered on one owner rank of its shard group (owners balanced by size), orthogonalised there, and scattered back.
 MoE expert stacks (3-D, sharded by experts) hold whole experts on every rank and are orthogonalised in place,
-batched over experts. This module knows DTensors and process groups, not models or the Trainer (`Muon`, the routing
-factory, reads only module types).
+batched over experts. torch.optim.Muon on the DTensors computes the same math, but every rank runs every matrix's
+Newton–Schulz, as DTensor matmuls whose partial products are reduced across ranks (bf16 rounding then differs from
+one process: 1.3e-3 on the weights after 5 steps at 2 ranks, 6e-8 with Newton–Schulz in fp32; tests/test_muon.py).
+Here each matrix's Newton–Schulz runs once, on one rank, bit-equal to one process. This module knows DTensors and
+process groups, not models or the Trainer (`muon_routing` builds the groups from a model).
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.optim.adam import adam
 
@@ -252,7 +254,7 @@ class MuonAdamW(torch.optim.Optimizer):
     """Muon for the groups marked `use_muon=True`, AdamW for the others, on FSDP2 shards or whole tensors.
 
     Muon groups take torch.optim.Muon's keys, AdamW groups torch.optim.AdamW's; missing keys get those optimizers'
-    defaults. `Muon` builds one from a model with the Moonlight/Kimi routing.
+    defaults. `hf_fsdp2.Muon` (`muon_routing`) builds one from a model and its TrainingArguments.
     """
 
     def __init__(self, params: Iterable[dict[str, Any]]) -> None:
@@ -286,11 +288,16 @@ class MuonAdamW(torch.optim.Optimizer):
 
 
 class ShardedTorchMuon(torch.optim.Muon):
-    """torch.optim.Muon with the same groups and hyper-parameters, stepping FSDP2 shards exactly."""
+    """torch.optim.Muon with the same groups and hyper-parameters, each matrix orthogonalised on one owner rank."""
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
-        """Each matrix orthogonalised whole on its owner (torch's own step would use each rank's rows alone)."""
+        """Each matrix orthogonalised whole on its owner, once, bit-equal to torch's step in one process.
+
+        torch's own step on the DTensors is right too, within rounding: every rank runs every matrix's Newton–Schulz
+        as DTensor matmuls reduced across ranks (N times the work; bf16 rounding 1.3e-3 from one process after 5 steps
+        at 2 ranks, tests/test_muon.py).
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -305,46 +312,3 @@ def make_shard_exact(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         # NOTE: in place, not a copy: the user's LR scheduler (Trainer's `optimizers=(opt, sched)`) holds this object.
         optimizer.__class__ = ShardedTorchMuon
     return optimizer
-
-
-def split_for_muon(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-    """Trainable parameters as (Muon's, AdamW's): hidden matrices and expert stacks to Muon; embeddings, the output
-    head, convolutions, norms and biases to AdamW (the Moonlight/Kimi recipe)."""
-    to_adamw: set[int] = set()
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    for module in model.modules():
-        if module is head or isinstance(module, (nn.Embedding, nn.EmbeddingBag, nn.modules.conv._ConvNd)):
-            to_adamw.update(id(p) for p in module.parameters())
-    muon, adamw, seen = [], [], set()
-    for param in model.parameters():
-        if not param.requires_grad or id(param) in seen:
-            continue
-        seen.add(id(param))
-        (muon if param.ndim in (2, 3) and id(param) not in to_adamw else adamw).append(param)
-    return muon, adamw
-
-
-class Muon:
-    """Muon for `Trainer(optimizer_cls_and_kwargs=(hf_fsdp2.Muon, {"lr": 0.02}))`, routed as Moonlight does.
-
-    transformers calls an optimizer factory as `Muon()(model, **kwargs)`. Keyword arguments are torch.optim.Muon's;
-    `adamw_lr`, `adamw_weight_decay` (default: Muon's), `adamw_betas` and `adamw_eps` set the AdamW part.
-    """
-
-    def __call__(self, model: nn.Module, **kwargs: Any) -> MuonAdamW:
-        """Build MuonAdamW over `model`'s trainable parameters."""
-        adamw = {key[len("adamw_") :]: kwargs.pop(key) for key in list(kwargs) if key.startswith("adamw_")}
-        unknown = set(kwargs) - set(MUON_DEFAULTS) | set(adamw) - set(ADAMW_DEFAULTS)
-        if unknown:
-            raise ValueError(
-                f"hf_fsdp2.Muon got unknown keyword(s) {sorted(unknown)}; it takes {sorted(MUON_DEFAULTS)} and "
-                f"{sorted('adamw_' + k for k in ADAMW_DEFAULTS)}."
-            )
-        muon_params, adamw_params = split_for_muon(model)
-        muon = {**MUON_DEFAULTS, **kwargs}
-        adamw = {**ADAMW_DEFAULTS, "lr": muon["lr"], "weight_decay": muon["weight_decay"], **adamw}
-        groups = [
-            {"params": muon_params, "use_muon": True, **muon},
-            {"params": adamw_params, "use_muon": False, **adamw},
-        ]
-        return MuonAdamW([g for g in groups if g["params"]])

@@ -50,7 +50,7 @@ from .facts import describe, facts_of, unwrap_peft
 from .from_accelerate import resolve_config
 from .memory_plan import log_memory_plan
 from .model import prepare_model
-from .muon import Muon
+from .muon_routing import Muon
 from .optimizers import adapt_optimizer
 from .path_models import PLACEMENT_KWARGS, check_all_sharded, loading_for_real, skeletons_for_paths
 from .preemption import PreemptionCallback, PreemptionWatcher

@@ -15,6 +15,8 @@ parts' (`trainer_sharding`, `trainer_checkpoint`). Every private Trainer hook it
   `args.optim` must have a verdict that is not "refused" (`optimizers.OPTIM_VERDICTS`), and the optimizer built (or
   passed in `optimizers`) is made exact on shards in place: torch.optim.Muon and transformers' Adafactor become
   their shard-exact twins, bitsandbytes' step each rank's local shard (tests/test_muon.py, tests/test_optimizers.py).
+  `hf_fsdp2.Muon` given as `optimizer_cls_and_kwargs` is called with the TrainingArguments and Trainer's
+  `get_decay_parameter_names` too (Trainer passes a factory the model alone; tests/test_muon.py).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from .branches import guard_optimizer
 from .chunked_loss import chunked_loss, log_unchunked, why_not_chunked
 from .facts import forward_source, unwrap_peft
 from .model import clip_grad_norm
+from .muon_routing import Muon
 from .optimizers import adapt_optimizer, check_optim
 from .router_loss import correct_router_loss, router_config
 from .sharding import reshard_all
@@ -122,6 +125,12 @@ class StepMixin:
         reshard_all(self.model)
         if self.optimizer is None and self.optimizer_cls_and_kwargs is None:
             check_optim(self.args.optim)
+        factory, kwargs = self.optimizer_cls_and_kwargs or (None, {})
+        if self.optimizer is None and isinstance(factory, type) and issubclass(factory, Muon):
+            # Trainer calls a factory with the model alone; hf_fsdp2.Muon also takes the arguments and decay split.
+            opt_model = self.model if model is None else model
+            decay = self.get_decay_parameter_names(opt_model)
+            self.optimizer = factory()(opt_model, training_args=self.args, decay_parameter_names=decay, **kwargs)
         optimizer = super().create_optimizer(model)
         adapt_optimizer(_unwrap_optimizer(optimizer))
         guard_optimizer(self.model, _unwrap_optimizer(optimizer))

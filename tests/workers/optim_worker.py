@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 from tests.launch import ROOT
-from tests.workers.scenarios import PARITY_ADAM_EPSILON, full_weights, losses, parity_arguments, run_scenarios
+from tests.workers.scenarios import full_weights, losses, parity_arguments, run_scenarios
 from tests.workers.train_worker import make_dataset
 
 # The state counter of the measurement script, so the test and the docs' table count bytes the same way.
@@ -53,13 +53,23 @@ def train(name: str, **kwargs: Any) -> dict[str, Any]:
     trainer = TrainerClass(model(), args(name, **kwargs.pop("args", {})), train_dataset=make_dataset(32, 96), **kwargs)
     trainer.train()
     result = {"losses": losses(trainer), "weights": full_weights(trainer.model), "optimizer": _optimizer_name(trainer)}
-    result["per_rank"] = {"state_bytes": state_bytes_of(trainer.optimizer)}  # differs by world size: not compared
+    if name == "muon":
+        result["groups"] = muon_groups(trainer)
+    # Rank 0's state, and the sum over ranks (the test compares it with the planner's figure at this world size).
+    state = torch.tensor(state_bytes_of(trainer.optimizer), dtype=torch.float64)
+    result["per_rank"] = {"state_bytes": state.item()}  # differs by world size: not compared across runs
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(state)
+    result["state_bytes_all_ranks"] = state.item()
     return result
 
 
+def _optimizer(trainer: Trainer) -> torch.optim.Optimizer:
+    return getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+
+
 def _optimizer_name(trainer: Trainer) -> str:
-    optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
-    return type(optimizer).__name__
+    return type(_optimizer(trainer)).__name__
 
 
 def resume(name: str, **kwargs: Any) -> dict[str, Any]:
@@ -88,11 +98,30 @@ def _fresh(kwargs: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in kwargs.items() if k != "optimizers"}
 
 
-def muon_kwargs() -> dict[str, Any]:
+# hf_fsdp2.Muon's runs: TrainingArguments set AdamW's part and the weight decay of both, `optim_args` Muon's momentum,
+# the factory's keywords Muon's learning rate (torch's scale) and Newton–Schulz dtype; the scheduler decays every group.
+MUON_ARGS = dict(
+    learning_rate=3e-4, weight_decay=0.05, adam_beta2=0.99, optim_args="momentum=0.9", lr_scheduler_type="linear"
+)
+MUON_KEYWORDS = {"lr": 0.02, "adjust_lr_fn": None, "ns_dtype": NS_DTYPE}
+
+
+def muon_kwargs(name: str) -> dict[str, Any]:
+    """FSDP2Trainer hands the factory its TrainingArguments; plain Trainer does not, so the reference passes them."""
     from hf_fsdp2 import Muon
 
-    kwargs = {"lr": 0.02, "adamw_lr": 1e-3, "adamw_eps": PARITY_ADAM_EPSILON, "ns_dtype": NS_DTYPE}
-    return {"optimizer_cls_and_kwargs": (Muon, kwargs)}
+    kwargs = dict(MUON_KEYWORDS, **({"training_args": args(name, **MUON_ARGS)} if MODE == "plain" else {}))
+    return {"optimizer_cls_and_kwargs": (Muon, kwargs), "args": MUON_ARGS}
+
+
+def muon_groups(trainer: Trainer) -> list[dict[str, Any]]:
+    """Each param group's hyper-parameters after training, with its parameters' names."""
+    names = {id(p): n for n, p in trainer.model.named_parameters()}
+    keys = ("use_muon", "lr", "initial_lr", "weight_decay", "momentum", "adjust_lr_fn", "betas", "eps")
+    return [
+        {**{k: g[k] for k in keys if k in g}, "names": sorted(names[id(p)] for p in g["params"])}
+        for g in _optimizer(trainer).param_groups
+    ]
 
 
 def torch_muon() -> dict[str, Any]:
@@ -110,8 +139,8 @@ def torch_muon() -> dict[str, Any]:
 
 
 SCENARIOS = {
-    "muon": lambda: train("muon", **muon_kwargs()),
-    "muon_resume": lambda: resume("muon_resume", **muon_kwargs()),
+    "muon": lambda: train("muon", **muon_kwargs("muon")),
+    "muon_resume": lambda: resume("muon_resume", **muon_kwargs("muon_resume")),
     "torch_muon": torch_muon,
 }
 

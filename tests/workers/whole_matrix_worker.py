@@ -11,13 +11,16 @@ Rank 0 writes OUT/result.json: {scenario: {"max_diff": ...}}.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import torch.optim._muon as torch_muon
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -31,10 +34,12 @@ from torch.distributed.tensor import DTensor
 from transformers.optimization import Adafactor
 
 from hf_fsdp2.adafactor import ShardedAdafactor
-from hf_fsdp2.muon import Muon, make_shard_exact
+from hf_fsdp2.muon import make_shard_exact, orthogonalise
+from hf_fsdp2.muon_routing import Muon, _trainer_decay_names
+from hf_fsdp2.optimizers import _local_view
 
 STEPS, SAVE_AT = 5, 3
-HPARAMS = dict(lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.1)
+HPARAMS = dict(lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.1, adjust_lr_fn=None)
 ADAMW = dict(lr=3e-3, weight_decay=0.01)
 
 
@@ -78,13 +83,23 @@ def synthetic_grads(model: nn.Module, step: int) -> None:
         param.grad = value
 
 
+@contextlib.contextmanager
+def torch_newton_schulz_in_fp32() -> Iterator[None]:
+    """torch.optim.Muon's Newton–Schulz in fp32 instead of its bf16 (torch has no option for it: patched)."""
+    original = torch_muon._zeropower_via_newtonschulz
+    torch_muon._zeropower_via_newtonschulz = lambda grad, ns, steps, eps: orthogonalise(grad, ns, steps, eps, "float32")
+    try:
+        yield
+    finally:
+        torch_muon._zeropower_via_newtonschulz = original
+
+
 def reference(steps: int) -> dict[str, torch.Tensor]:
     """torch.optim.Muon on the hidden matrices and experts, torch.optim.AdamW on the rest, one process."""
     torch.manual_seed(0)
     model = Net(experts_as_list=True)
     matrices = [p for n, p in model.named_parameters() if ("up" in n or "down" in n or "experts" in n) and p.ndim == 2]
-    others = [p for p in model.parameters() if all(p is not m for m in matrices)]
-    optimizers = [torch.optim.Muon(matrices, **HPARAMS), torch.optim.AdamW(others, **ADAMW)]
+    optimizers = [torch.optim.Muon(matrices, **HPARAMS), adamw(model, matrices)]
     for step in range(steps):
         synthetic_grads(model, step)
         for optimizer in optimizers:
@@ -149,23 +164,59 @@ def sharded(mesh: dist.DeviceMesh) -> tuple[nn.Module, torch.optim.Optimizer]:
 
 
 def torch_optimizers(mesh: dist.DeviceMesh, shard_exact: bool) -> tuple[nn.Module, list[torch.optim.Optimizer]]:
-    """The reference's own optimizers (torch.optim.Muon + AdamW) over the sharded reference model."""
+    """The reference's own optimizers (torch.optim.Muon + AdamW) over the sharded reference model; torch's Muon
+    steps the DTensors as they are unless `shard_exact` makes it hf_fsdp2's owner-based step."""
     torch.manual_seed(0)
     model = Net(experts_as_list=True)
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     matrices = [p for n, p in model.named_parameters() if ("up" in n or "down" in n or "experts" in n) and p.ndim == 2]
-    others = [p for p in model.parameters() if all(p is not m for m in matrices)]
     muon = torch.optim.Muon(matrices, **HPARAMS)
-    return model, [make_shard_exact(muon) if shard_exact else muon, torch.optim.AdamW(others, **ADAMW)]
+    return model, [make_shard_exact(muon) if shard_exact else muon, adamw(model, matrices)]
 
 
-def run(start: int, steps: int, model: nn.Module, *optimizers: torch.optim.Optimizer) -> None:
+def adamw(model: nn.Module, matrices: list[nn.Parameter]) -> torch.optim.AdamW:
+    """AdamW on the parameters that are not `matrices`, without weight decay on norms and biases (Trainer's rule)."""
+    decay = _trainer_decay_names(model)
+    others = [(n, p) for n, p in model.named_parameters() if all(p is not m for m in matrices)]
+    groups = [
+        {"params": [p for n, p in others if n in decay]},
+        {"params": [p for n, p in others if n not in decay], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, **ADAMW)
+
+
+def run(start: int, steps: int, model: nn.Module, *optimizers: torch.optim.Optimizer, rows_only: bool = False) -> None:
+    """`rows_only`: the first optimizer (torch's Muon) steps each rank's local rows as if they were whole matrices."""
     for step in range(start, steps):
         synthetic_grads(model, step)
-        for optimizer in optimizers:
-            optimizer.step()
+        for index, optimizer in enumerate(optimizers):
+            with _local_view(optimizer) if rows_only and index == 0 else contextlib.nullcontext():
+                optimizer.step()
+
+
+def torch_muon_controls(mesh: dist.DeviceMesh, expected: dict[str, torch.Tensor]) -> dict[str, dict]:
+    """torch.optim.Muon on the shards three ways, each against its one-process run (NOTE: collective).
+
+    On DTensors (torch's own path) the math is right: its Newton–Schulz matmuls reduce partial products across
+    ranks, in another order than one process, so only rounding separates them (bf16 rounding with torch's default,
+    fp32 rounding with Newton–Schulz in fp32). Each rank orthogonalising its own rows alone is wrong math: the
+    negative control, far off. hf_fsdp2's owner-based step is bit-equal.
+    """
+    results = {}
+    for name, exact, rows_only in (("dtensor_bf16", False, False), ("rows_only", False, True), ("ours", True, False)):
+        model, optimizers = torch_optimizers(mesh, exact)
+        run(0, STEPS, model, *optimizers, rows_only=rows_only)
+        results[name] = {"max_diff": max_diff(model, expected), "class": type(optimizers[0]).__name__}
+    with torch_newton_schulz_in_fp32():
+        fp32_reference = reference(STEPS)
+        model, optimizers = torch_optimizers(mesh, False)
+        run(0, STEPS, model, *optimizers)
+        results["dtensor_fp32"] = {"max_diff": max_diff(model, fp32_reference)}
+    first = reference(1)  # how far one step moves any weight: the scale the drifts are judged against
+    results["one_step"] = max((first[k] - v).abs().max().item() for k, v in reference(0).items())
+    return results
 
 
 def max_diff(model: nn.Module, expected: dict[str, torch.Tensor]) -> float:
@@ -188,7 +239,7 @@ def main() -> None:
         meshes["hsdp"] = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     expected, results = reference(STEPS), {}
     groups = [len(g["params"]) for g in sharded(meshes["fsdp"])[1].param_groups]
-    results["groups"] = groups  # [Muon's, AdamW's]: 2 blocks x (up, down, experts), the rest to AdamW
+    results["groups"] = groups  # [Muon's, AdamW's decayed, AdamW's not]
     for name, mesh in meshes.items():
         model, optimizer = sharded(mesh)
         run(0, STEPS, model, optimizer)
@@ -198,10 +249,7 @@ def main() -> None:
     whole_adafactor = {n: p.detach().clone() for n, p in adafactor(None).named_parameters()}
     for name, mesh in meshes.items():
         results[f"adafactor_{name}"] = {"max_diff": max_diff(adafactor(mesh), whole_adafactor)}
-    for name, exact in (("torch_muon_on_shards", False), ("torch_muon_made_exact", True)):
-        model, optimizers = torch_optimizers(meshes["fsdp"], exact)
-        run(0, STEPS, model, *optimizers)
-        results[name] = {"max_diff": max_diff(model, expected), "class": type(optimizers[0]).__name__}
+    results["torch_muon"] = torch_muon_controls(meshes["fsdp"], expected)
     if "--save" in args:
         model, optimizer = sharded(meshes["fsdp"])
         run(0, SAVE_AT, model, optimizer)
