@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
+from hf_fsdp2.distributed import agree
 from tests.launch import ROOT
 from tests.workers.scenarios import full_weights, losses, parity_arguments, run_scenarios
 from tests.workers.train_worker import make_dataset
@@ -56,11 +57,9 @@ def train(name: str, **kwargs: Any) -> dict[str, Any]:
     if name == "muon":
         result["groups"] = muon_groups(trainer)
     # Rank 0's state, and the sum over ranks (the test compares it with the planner's figure at this world size).
-    state = torch.tensor(state_bytes_of(trainer.optimizer), dtype=torch.float64)
-    result["per_rank"] = {"state_bytes": state.item()}  # differs by world size: not compared across runs
-    if torch.distributed.is_initialized():
-        torch.distributed.all_reduce(state)
-    result["state_bytes_all_ranks"] = state.item()
+    state = float(state_bytes_of(trainer.optimizer))
+    result["per_rank"] = {"state_bytes": state}  # differs by world size: not compared across runs
+    result["state_bytes_all_ranks"] = agree([state], "sum")[0]
     return result
 
 
