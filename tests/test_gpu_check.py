@@ -82,3 +82,16 @@ def test_docs_gpu_table_is_the_committed_h100_run():
     block = page[page.index(begin) + len(begin) : page.index(end)]
     assert block.strip() == gpu_check.render_markdown(results).strip()
     assert results["environment"]["device_name"] == "NVIDIA H100 80GB HBM3"
+
+
+def test_docs_second_gpu_table_is_the_committed_h200_run():
+    """The H200 check's tables in docs/performance.md are rendered from scripts/results/gpu_h200.json."""
+    with open(os.path.join(ROOT, "scripts", "results", "gpu_h200.json")) as f:
+        results = json.load(f)
+    with open(os.path.join(ROOT, "docs", "performance.md")) as f:
+        page = f.read()
+    begin, end = "<!-- gpu-h200:begin -->\n", "<!-- gpu-h200:end -->"
+    block = page[page.index(begin) + len(begin) : page.index(end)]
+    assert block.strip() == gpu_check.render_markdown(results).strip()
+    assert results["parts"]["collectives"]["runs"]["collective paths"]["backend"] == "nccl"
+    assert set(results["parts"]["collectives"]["runs"]["collective paths"]["paths"].values()) == {"ok"}

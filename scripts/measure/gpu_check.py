@@ -906,10 +906,10 @@ def _generation_table(part: dict) -> list[str]:
     run = part.get("runs", {}).get("generate", {})
     if not run or not _ok(run):
         return []
+    timing = f"; median of {run['repeats']}, alternating" if "repeats" in run else ""
     return [
         "",
-        f"| generate ({run['new_tokens']} new tokens; median of {run.get('repeats', 1)}, alternating) | tokens/s "
-        "| same tokens |",
+        f"| generate ({run['new_tokens']} new tokens{timing}) | tokens/s | same tokens |",
         "|---|---:|---|",
         f"| unsharded | {run['unsharded']['tokens_per_s']:,} | |",
         f"| FSDP2, gathered | {run['gathered']['tokens_per_s']:,} | {run['same_tokens']} |",
