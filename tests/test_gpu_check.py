@@ -65,7 +65,7 @@ def test_a_part_that_would_not_fit_the_budget_is_skipped_and_says_so(tmp_path, m
     monkeypatch.setattr(gpu_check, "run_workers", lambda args, env, part, runs, timeout: ran.append(part) or {})
     args = gpu_check.parse_args(["--budget-s", "80", "--workdir", str(tmp_path), "--json", str(tmp_path / "r.json")])
     results = gpu_check.run_check(args)
-    assert ran == ["build", "compile", "qlora", "offload", "generation", "planner"]  # estimated at 30-40 s
+    assert ran == ["build", "collectives", "compile", "qlora", "offload", "planner"]  # estimated at 30-40 s
     assert results["parts"]["parity"]["status"].startswith("skipped: 45 s left of the budget, ~60 s needed")
     with open(tmp_path / "r.json") as f:  # written as the parts went
         assert json.load(f)["parts"]["throughput"]["status"].startswith("skipped")
