@@ -46,7 +46,6 @@ from .full_state_checkpoint import (
     load_full_model_state,
     load_full_optimizer_state,
 )
-from .hf_export import staging_dir
 from .sharding import reshard_all
 
 MODEL_DIR = "pytorch_model_fsdp_0"
@@ -54,6 +53,13 @@ OPTIMIZER_DIR = "optimizer_0"
 MODEL_KEY = "model"
 OPTIMIZER_KEY = "optimizer"
 METADATA_FILE = ".metadata"
+
+
+def staging_dir(final: str) -> str:
+    """The hidden name a folder is written under until complete (`get_last_checkpoint`, rotation and
+    `from_pretrained` never see it)."""
+    parent, name = os.path.split(os.path.abspath(final))
+    return os.path.join(parent, f".{name}.incomplete")
 
 
 class DirectWriteFileSystem(FileSystem):

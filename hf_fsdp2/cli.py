@@ -104,8 +104,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     leave it open."""
     import json
 
-    from .config import FSDP2Config
-    from .hf_export import parse_size
+    from .config import FSDP2Config, parse_size
     from .memory_plan import DEFAULT_LORA_TARGETS, format_plan, plan
 
     r, targets = parse_lora(args.lora) if args.lora else (None, DEFAULT_LORA_TARGETS)

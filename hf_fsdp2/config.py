@@ -7,6 +7,7 @@ and the README's configuration reference show the same words.
 
 from __future__ import annotations
 
+import re
 import signal
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, get_args
@@ -278,8 +279,6 @@ class FSDP2Config:
                 "float16 is not supported: FSDP2 has no sharded loss scaling here, so float16 gradients "
                 "underflow. Use param_dtype='bfloat16' (TrainingArguments(bf16=True))."
             )
-        from .hf_export import parse_size
-
         parse_size(self.max_shard_size)
         # NOTE: "none" lets a command line (which cannot pass an empty list) turn the checkpoint off.
         if isinstance(self.checkpoint_on_signals, str):
@@ -361,3 +360,20 @@ def _signal_name(name: str) -> str:
 def resolve_dtype(name: str | None) -> torch.dtype | None:
     """Map a config dtype name to a torch dtype (None stays None)."""
     return None if name is None else DTYPES[name]
+
+
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_size(size: str | int) -> int:
+    """Turn '5GB', '500MB' or a byte count into bytes.
+
+    Raises:
+        ValueError: when `size` is a string that is not a size such as '5GB' or '500MB'.
+    """
+    if isinstance(size, int):
+        return size
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B)\s*", size.upper())
+    if not match:
+        raise ValueError(f"max_shard_size={size!r} is not a size; use e.g. '5GB', '500MB' or a number of bytes.")
+    return int(float(match.group(1)) * _UNITS[match.group(2)])

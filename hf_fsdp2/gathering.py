@@ -18,8 +18,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from .memory_plan import NF4_BYTES_PER_ELEMENT
-from .nf4 import is_nf4
+from .nf4 import NF4_BYTES_PER_ELEMENT, is_nf4
 
 
 @contextlib.contextmanager

@@ -27,6 +27,8 @@ import torch
 from huggingface_hub import split_torch_state_dict_into_shards
 from transformers.utils import logging
 
+from .checkpoint import staging_dir
+from .config import parse_size
 from .direct_io import DirectFileWriter
 
 logger = logging.get_logger(__name__)
@@ -46,7 +48,6 @@ _DTYPES = {
     torch.float8_e4m3fn: "F8_E4M3",
     torch.float8_e5m2: "F8_E5M2",
 }
-_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
 @dataclass(frozen=True)
@@ -65,20 +66,6 @@ class TensorSpec:
 def export_dtype(stored: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
     """Cast floating tensors to the requested dtype; leave integer and bool tensors alone."""
     return dtype if dtype is not None and stored.is_floating_point else stored
-
-
-def parse_size(size: str | int) -> int:
-    """Turn '5GB', '500MB' or a byte count into bytes.
-
-    Raises:
-        ValueError: when `size` is a string that is not a size such as '5GB' or '500MB'.
-    """
-    if isinstance(size, int):
-        return size
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B)\s*", size.upper())
-    if not match:
-        raise ValueError(f"max_shard_size={size!r} is not a size; use e.g. '5GB', '500MB' or a number of bytes.")
-    return int(float(match.group(1)) * _UNITS[match.group(2)])
 
 
 def plan_files(specs: list[TensorSpec], max_shard_size: str | int) -> tuple[list[tuple[str, list[TensorSpec]]], Any]:
@@ -229,13 +216,6 @@ class _FileWrite:
         if self.failure is not None and raise_failure:
             raise self.failure
         return self.failure
-
-
-def staging_dir(final: str) -> str:
-    """The hidden name a folder is written under until complete (`get_last_checkpoint`, rotation and
-    `from_pretrained` never see it)."""
-    parent, name = os.path.split(os.path.abspath(final))
-    return os.path.join(parent, f".{name}.incomplete")
 
 
 def prepare_output(output_dir: str, overwrite: bool) -> str:

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .nf4 import NF4_BYTES_PER_ELEMENT
 from .optimizer_memory import PLANNED, STEP_TEMPORARIES, state_bytes
 from .skeleton import auto_class_for
 
@@ -413,10 +414,6 @@ def _lora_config(request: PlanRequest) -> Any:
         lora_alpha=2 * request.lora_r,
         target_modules=targets if isinstance(targets, str) else list(targets),
     )
-
-
-# NF4: 4-bit codes, an int8 scaler per 64 values, a float32 factor per 64 x 256 values (torchao's double quantization).
-NF4_BYTES_PER_ELEMENT = 0.5 + 1 / 64 + 4 / (64 * 256)
 
 
 def _stored_bytes(param: torch.Tensor, bf16: bool) -> int:

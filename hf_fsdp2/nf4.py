@@ -25,6 +25,11 @@ NEAREST_CHUNK = 2**16  # values scaled and coded at once: under 2 MiB of buffers
 _SKIPPED_MODULES = ("lm_head", "embed", "wte", "wpe", "norm")
 
 
+# Bytes an NF4 weight holds per element: 4-bit codes, an int8 scaler per 64 values, a float32 factor per 64 x 256
+# values (torchao's double quantization).
+NF4_BYTES_PER_ELEMENT = 0.5 + 1 / 64 + 4 / (64 * 256)
+
+
 def _torchao_nf4() -> Any:
     """torchao's NF4 module, or an error naming the extra to install."""
     os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")  # NF4 is pure PyTorch: no CUDA kernels needed
