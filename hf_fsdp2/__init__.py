@@ -1,6 +1,7 @@
 """hf_fsdp2: shard any Hugging Face model with PyTorch FSDP2 by changing `Trainer(...)` to `FSDP2Trainer(...)`.
 
-Read the code in flow order: distributed → skeleton → loading → sharding → model → trainer (FSDP2Mixin) → trl.
+Read the code in flow order, a room (subpackage) at a time: loading → sharding → model → trainer → checkpoints →
+export; adapters, long_rows, optim and planning serve them (docs/how-it-works.md walks them).
 
 The public names below are imported on first use (PEP 562), so a process that needs only part of the package
 (the `hf-fsdp2 consolidate` command) does not import transformers' Trainer, modeling code and peft: importing all
@@ -23,36 +24,37 @@ if not torch.cuda.is_available():
 from transformers.utils import logging as transformers_logging  # noqa: E402
 
 from .distributed import start_restarted_worker  # noqa: E402
+from .moved_modules import install as install_moved_modules  # noqa: E402
 
 if TYPE_CHECKING:
-    from .callbacks import ConsolidateCallback
+    from .checkpoints.disk_space import CheckpointDiskFull, CheckpointWriteError
     from .config import FSDP2Config
-    from .consolidation import consolidate
-    from .disk_space import CheckpointDiskFull, CheckpointWriteError
     from .distributed import close_distributed
-    from .gathering import gathered
-    from .memory_plan import plan
+    from .export.consolidation import consolidate
+    from .loading.skeleton import from_pretrained
     from .model import prepare_model
-    from .muon import MuonAdamW
-    from .muon_routing import Muon
-    from .skeleton import from_pretrained
-    from .trainer import FSDP2Mixin, FSDP2Trainer
+    from .optim.muon import MuonAdamW
+    from .optim.muon_routing import Muon
+    from .planning.memory_plan import plan
+    from .sharding.gathering import gathered
+    from .trainer.callbacks import ConsolidateCallback
+    from .trainer.mixin import FSDP2Mixin, FSDP2Trainer
 
 # Each public name and the submodule that defines it.
 _EXPORTS = {
-    "CheckpointDiskFull": "disk_space",
-    "CheckpointWriteError": "disk_space",
-    "ConsolidateCallback": "callbacks",
+    "CheckpointDiskFull": "checkpoints.disk_space",
+    "CheckpointWriteError": "checkpoints.disk_space",
+    "ConsolidateCallback": "trainer.callbacks",
     "FSDP2Config": "config",
-    "FSDP2Mixin": "trainer",
-    "FSDP2Trainer": "trainer",
-    "Muon": "muon_routing",
-    "MuonAdamW": "muon",
+    "FSDP2Mixin": "trainer.mixin",
+    "FSDP2Trainer": "trainer.mixin",
+    "Muon": "optim.muon_routing",
+    "MuonAdamW": "optim.muon",
     "close_distributed": "distributed",
-    "consolidate": "consolidation",
-    "from_pretrained": "skeleton",
-    "gathered": "gathering",
-    "plan": "memory_plan",
+    "consolidate": "export.consolidation",
+    "from_pretrained": "loading.skeleton",
+    "gathered": "sharding.gathering",
+    "plan": "planning.memory_plan",
     "prepare_model": "model",
 }
 __all__ = [
@@ -92,6 +94,9 @@ def __dir__() -> list[str]:
 # `log_level`/`log_level_replica` and `transformers.logging.set_verbosity_*` govern hf_fsdp2's messages exactly
 # as they govern Trainer's: INFO lines appear with log_level="info" and not at the default (warning).
 logging.getLogger(__name__).parent = transformers_logging.get_logger()
+
+# hf_fsdp2 0.1's flat module paths (hf_fsdp2.checkpoint, hf_fsdp2.disk_space, ...) import the moved modules.
+install_moved_modules()
 
 # A torchrun worker restarted after a failure must join its new group before TrainingArguments does.
 start_restarted_worker()

@@ -105,7 +105,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     import json
 
     from .config import FSDP2Config, parse_size
-    from .memory_plan import DEFAULT_LORA_TARGETS, format_plan, plan
+    from .planning.memory_plan import DEFAULT_LORA_TARGETS, format_plan, plan
 
     r, targets = parse_lora(args.lora) if args.lora else (None, DEFAULT_LORA_TARGETS)
     result = plan(
@@ -137,7 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError as error:
             print(f"hf-fsdp2 plan: error: {error}", file=sys.stderr)
             return 2
-    from .consolidation import consolidate
+    from .export.consolidation import consolidate
 
     try:
         path = consolidate(args.checkpoint_dir, args.output_dir, args.max_shard_size, args.dtype, args.overwrite)

@@ -16,16 +16,16 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
-from .adapters import check_supported
-from .branches import attach_branch_guard, branch_names
-from .collective_methods import attach_collective_methods
+from .adapters.methods import check_supported
+from .adapters.nf4 import describe_dense, nf4_candidates, quantize_skeleton
 from .config import FSDP2Config
 from .distributed import build_mesh, check_same_on_all_ranks, get_device, init_distributed, log_rank0
-from .facts import ModelFacts, describe, facts_of
-from .live_export import save_pretrained_sharded
-from .loading import load_pretrained
-from .nf4 import describe_dense, nf4_candidates, quantize_skeleton
-from .sharding import (
+from .export.live import save_pretrained_sharded
+from .loading.branches import attach_branch_guard, branch_names
+from .loading.facts import ModelFacts, describe, facts_of
+from .loading.weights import load_pretrained
+from .sharding.collective_methods import attach_collective_methods
+from .sharding.units import (
     mixed_precision_policy,
     original_class,
     reduce_scalar_gradients,

@@ -5,8 +5,9 @@ Each is `FSDP2Mixin` placed before the TRL trainer, so what TRL does to the mode
 (`get_peft_model` for `peft_config`, its fused LM head) happens on the unsharded skeleton, and DPO's and KTO's
 reference models are sharded too (frozen, no optimizer state) instead of replicated on every rank. A model given as a
 path is built by TRL itself, in the class and configuration it asks for (RewardTrainer's `num_labels=1` classifier,
-`model_init_kwargs`), as our meta skeleton: each rank reads only its slices (`hf_fsdp2.path_models`). GRPO's generation
-goes through the sharded model's `generate`, which gathers every unit once per call (`hf_fsdp2.gathered`).
+`model_init_kwargs`), as our meta skeleton: each rank reads only its slices (`hf_fsdp2.loading.path_models`).
+GRPO's generation goes through the sharded model's `generate`, which gathers every unit once per call
+(`hf_fsdp2.gathered`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ try:
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError("hf_fsdp2.trl needs TRL, which is an optional extra: pip install 'hf_fsdp2[trl]'") from error
 
-from .trainer import FSDP2Mixin
+from .trainer.mixin import FSDP2Mixin
 
 __all__ = [
     "FSDP2DPOTrainer",

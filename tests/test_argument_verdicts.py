@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from transformers import TrainingArguments
 
-from hf_fsdp2.argument_verdicts import VERDICTS
+from hf_fsdp2.trainer.argument_verdicts import VERDICTS
 from tests.launch import load_runs, run
 from tests.test_dropin import differences
 
@@ -22,7 +22,9 @@ REFERENCE = {**dict.fromkeys(PARITY, "plain-1"), "restore_callback_states": "pla
 def test_every_training_arguments_field_has_a_verdict():
     fields = {field.name for field in dataclasses.fields(TrainingArguments)}
     missing = sorted(fields - set(VERDICTS))
-    assert not missing, f"TrainingArguments fields without a verdict in hf_fsdp2/argument_verdicts.py: {missing}"
+    assert not missing, (
+        f"TrainingArguments fields without a verdict in hf_fsdp2/trainer/argument_verdicts.py: {missing}"
+    )
     assert not sorted(set(VERDICTS) - fields), "verdicts for fields TrainingArguments no longer has"
     assert all(verdict in ("honoured", "refused", "no effect") and why for verdict, why in VERDICTS.values())
 

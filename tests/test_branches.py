@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 from hf_fsdp2 import FSDP2Config
-from hf_fsdp2.branches import find_branches
-from hf_fsdp2.memory_plan import skeleton_sizes
-from hf_fsdp2.sharding import select_units
+from hf_fsdp2.loading.branches import find_branches
+from hf_fsdp2.planning.memory_plan import skeleton_sizes
+from hf_fsdp2.sharding.units import select_units
 from tests.tiny_models import llama
 from tests.tiny_vlms import FAMILIES
 

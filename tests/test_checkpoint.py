@@ -10,7 +10,7 @@ import shutil
 import pytest
 from transformers.trainer_utils import get_last_checkpoint
 
-from hf_fsdp2.checkpoint import read_metadata
+from hf_fsdp2.checkpoints.sharded import read_metadata
 from tests.launch import load_result, run, run_batch
 from tests.workers.scenarios import ERROR_FILE
 
@@ -242,7 +242,7 @@ def test_relaunching_a_finished_run_trains_nothing_and_only_exports_again(runs):
 
 
 def test_the_checks_name_the_damaged_file_and_delete_nothing(runs, tmp_path):
-    from hf_fsdp2.resume import checkpoint_problem, checkpoints_newest_first
+    from hf_fsdp2.checkpoints.resume import checkpoint_problem, checkpoints_newest_first
 
     run_dir = str(tmp_path / "run")
     damaged_copy(runs["reference"], run_dir)
@@ -280,7 +280,7 @@ def test_dcp_files_are_written_through_direct_io(tmp_path, monkeypatch):
     import torch.distributed.checkpoint as dcp
 
     from hf_fsdp2 import checkpoint
-    from hf_fsdp2.direct_io import DirectStream
+    from hf_fsdp2.checkpoints.direct_io import DirectStream
 
     written = []
 
@@ -328,7 +328,7 @@ def test_the_parts_of_a_sync_save_are_written_at_once_and_a_failure_in_either_is
 
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from hf_fsdp2.checkpoint import run_at_once
+    from hf_fsdp2.checkpoints.sharded import run_at_once
 
     both_started = threading.Barrier(2, timeout=10)  # broken (an error) if the parts ran one after the other
     done = []

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from transformers.loss.loss_utils import ForCausalLMLoss
 
-from hf_fsdp2.chunked_loss import chunked_causal_lm_loss, chunked_loss, why_not_chunked
+from hf_fsdp2.long_rows.chunked_loss import chunked_causal_lm_loss, chunked_loss, why_not_chunked
 
 
 def _inputs(bias: bool) -> tuple[torch.Tensor, nn.Linear, torch.Tensor]:
@@ -103,7 +103,7 @@ def test_a_trainer_that_computes_its_own_loss_is_not_chunked():
     from transformers import Trainer
 
     from hf_fsdp2 import FSDP2Mixin, FSDP2Trainer
-    from hf_fsdp2.trainer import _own_compute_loss
+    from hf_fsdp2.trainer.mixin import _own_compute_loss
 
     class Metrics(FSDP2Trainer):
         def compute_loss(self, *args, **kwargs):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_fsdp2.comm_buffers import BufferPool
+from hf_fsdp2.sharding.comm_buffers import BufferPool
 from tests.launch import load_result, run
 
 CPU = torch.device("cpu")

@@ -7,7 +7,7 @@ import torch
 from transformers import HfArgumentParser, TrainingArguments
 
 from hf_fsdp2 import FSDP2Config
-from hf_fsdp2.sharding import mixed_precision_policy
+from hf_fsdp2.sharding.units import mixed_precision_policy
 
 
 @pytest.mark.parametrize(

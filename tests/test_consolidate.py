@@ -243,8 +243,8 @@ def test_tokenizer_files_travel_with_checkpoints_and_exports(tmp_path, tiny):
 
 
 def test_reads_are_batched_in_order_within_the_budget():
-    from hf_fsdp2.consolidation import read_batches
-    from hf_fsdp2.hf_export import TensorSpec
+    from hf_fsdp2.export.consolidation import read_batches
+    from hf_fsdp2.export.hf_folder import TensorSpec
 
     specs = [TensorSpec(name, (n,), torch.float32) for name, n in [("a", 4), ("b", 4), ("c", 10), ("d", 2), ("e", 1)]]
     batches = [[s.name for s in batch] for batch in read_batches(specs, budget=40)]
@@ -255,7 +255,7 @@ def test_reads_are_batched_in_order_within_the_budget():
 def test_streamed_file_across_staging_buffers_holds_every_tensor(tmp_path, monkeypatch):
     """Tensors cut across the writer's staging buffers (one block each here) keep their order and bytes."""
     from hf_fsdp2 import direct_io
-    from hf_fsdp2.hf_export import SafetensorsStream, TensorSpec
+    from hf_fsdp2.export.hf_folder import SafetensorsStream, TensorSpec
 
     monkeypatch.setattr(direct_io, "CHUNK_BYTES", direct_io.BLOCK)
     tensors = {f"t{i}": torch.randn(50 + 37 * i, 3) for i in range(12)}
@@ -273,7 +273,7 @@ def test_streamed_file_across_staging_buffers_holds_every_tensor(tmp_path, monke
 
 def test_a_failed_fetch_leaves_no_file_open(tmp_path):
     """A read that fails mid-export (a corrupt shard) closes the file being written before the error surfaces."""
-    from hf_fsdp2.hf_export import TensorSpec, write_weights
+    from hf_fsdp2.export.hf_folder import TensorSpec, write_weights
 
     specs = [TensorSpec(f"t{i}", (1000,), torch.float32) for i in range(4)]
 
@@ -291,7 +291,7 @@ def test_a_failed_fetch_leaves_no_file_open(tmp_path):
 def test_shard_plan_is_huggingface_hubs_and_write_order_follows_it():
     import torch
 
-    from hf_fsdp2.hf_export import TensorSpec, plan_files, write_order
+    from hf_fsdp2.export.hf_folder import TensorSpec, plan_files, write_order
 
     specs = [
         TensorSpec("a", (10,), torch.float32),

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hf_fsdp2 import direct_io
-from hf_fsdp2.direct_io import BLOCK, DirectFileWriter
+from hf_fsdp2.checkpoints.direct_io import BLOCK, DirectFileWriter
 
 # Sizes around the block and the chunk (two blocks here), an empty write, and one spanning many chunks.
 SIZES = [0, 1, BLOCK - 1, BLOCK, BLOCK + 1, 2 * BLOCK - 3, 7, 5 * BLOCK + 11, 3]
@@ -85,7 +85,7 @@ def test_stream_takes_every_bytes_like_object_and_tells_its_offset(tmp_path):
     """DCP writes bytes, memoryviews and pickles through the stream and records offsets from tell()."""
     import pickle
 
-    from hf_fsdp2.direct_io import DirectStream
+    from hf_fsdp2.checkpoints.direct_io import DirectStream
 
     path = str(tmp_path / "stream.bin")
     stream = DirectStream(path)

@@ -25,7 +25,7 @@ FULL = (
 def test_a_save_that_plainly_does_not_fit_fails_before_writing_anything(tmp_path):
     import re
 
-    from hf_fsdp2.disk_space import CheckpointDiskFull, check_room
+    from hf_fsdp2.checkpoints.disk_space import CheckpointDiskFull, check_room
 
     folder = str(tmp_path / "run" / "checkpoint-2")  # not there yet: its nearest existing parent's file system
     assert check_room(folder, 1000) == 1000  # one process: only its own bytes go there
@@ -46,7 +46,7 @@ def test_a_write_that_fails_for_want_of_space_becomes_the_clear_error_and_the_pa
     import torch.distributed.checkpoint as dcp
 
     from hf_fsdp2 import checkpoint, direct_io
-    from hf_fsdp2.disk_space import CheckpointDiskFull, CheckpointWriteError, raise_if_write_failed
+    from hf_fsdp2.checkpoints.disk_space import CheckpointDiskFull, CheckpointWriteError, raise_if_write_failed
 
     def full_disk(fd: int, data: memoryview, offset: int) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")

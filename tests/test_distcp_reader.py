@@ -1,4 +1,5 @@
-"""Reading DCP folders in place (hf_fsdp2.distcp_reader) and resuming a stateless optimizer without fake steps."""
+"""Reading DCP folders in place (hf_fsdp2.checkpoints.distcp_reader) and resuming a stateless optimizer without fake
+steps."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 from hf_fsdp2 import distcp_reader
-from hf_fsdp2.checkpoint import OPTIMIZER_DIR, OPTIMIZER_KEY, load_in_place, read_metadata, resume_optimizer
-from hf_fsdp2.distcp_reader import SafeFileSystemReader
+from hf_fsdp2.checkpoints.distcp_reader import SafeFileSystemReader
+from hf_fsdp2.checkpoints.sharded import OPTIMIZER_DIR, OPTIMIZER_KEY, load_in_place, read_metadata, resume_optimizer
 
 
 def saved_state(folder: str) -> dict[str, torch.Tensor]:

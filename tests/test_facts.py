@@ -11,7 +11,7 @@ import pytest
 from peft import LoraConfig, get_peft_model
 
 from hf_fsdp2 import from_pretrained
-from hf_fsdp2.facts import ModelFacts, attached_facts, describe, facts_of
+from hf_fsdp2.loading.facts import ModelFacts, attached_facts, describe, facts_of
 
 
 def test_facts_of_a_tied_skeleton(tiny):
@@ -61,9 +61,9 @@ import os, sys
 import torch
 from datasets import Dataset
 from transformers import AutoModelForSequenceClassification, TrainingArguments
-import hf_fsdp2.facts as facts_module
+import hf_fsdp2.loading.facts as facts_module
 from hf_fsdp2 import FSDP2Trainer, from_pretrained
-from hf_fsdp2.facts import attached_facts
+from hf_fsdp2.loading.facts import attached_facts
 
 calls = []
 original = facts_module.ModelFacts.of.__func__

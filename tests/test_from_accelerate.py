@@ -11,7 +11,7 @@ import pytest
 from transformers import TrainingArguments
 
 from hf_fsdp2 import FSDP2Config
-from hf_fsdp2.from_accelerate import resolve_config
+from hf_fsdp2.trainer.from_accelerate import resolve_config
 
 # What `accelerate launch --use_fsdp --fsdp_version 2 ...` exports when given no other FSDP flag (accelerate 1.15).
 LAUNCH_DEFAULTS = {

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from transformers.trainer_utils import set_seed
 
 from hf_fsdp2 import from_pretrained
-from hf_fsdp2.loading import init_missing, plan_safetensors_load, safetensors_shapes
+from hf_fsdp2.loading.weights import init_missing, plan_safetensors_load, safetensors_shapes
 
 
 def test_skeleton_reads_no_weights_and_matches_from_pretrained_structure(tiny):
@@ -88,7 +88,7 @@ def test_values_the_checkpoint_lacks_are_in_their_shards_and_freed_before_the_ch
 
     from peft import LoraConfig, get_peft_model
 
-    import hf_fsdp2.loading as loading
+    import hf_fsdp2.loading.weights as loading
     from hf_fsdp2 import FSDP2Config, prepare_model
 
     held: list[weakref.ref] = []

@@ -14,8 +14,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, TrainingArguments
 
 from hf_fsdp2 import FSDP2Config, FSDP2Trainer, consolidate, from_pretrained
-from hf_fsdp2.adapter_checkpoint import check_trainable_are_saved, load_adapter, save_adapter
-from hf_fsdp2.adapters import base_name, check_replayable
+from hf_fsdp2.adapters.methods import base_name, check_replayable
+from hf_fsdp2.checkpoints.adapters import check_trainable_are_saved, load_adapter, save_adapter
 from tests.launch import load_result, run, run_batch
 
 MODEL = "llama_tied"
@@ -287,7 +287,7 @@ def test_unmergeable_adapters_are_refused_before_training(tmp_path, tiny, model,
 def test_a_truncated_adapter_checkpoint_is_named_and_skipped_by_auto_resume(tmp_path):
     from safetensors.torch import save_file
 
-    from hf_fsdp2.resume import checkpoint_problem
+    from hf_fsdp2.checkpoints.resume import checkpoint_problem
 
     checkpoint = tmp_path / "checkpoint-3"
     checkpoint.mkdir()

@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from hf_fsdp2.activation_trace import LiveBytes, traced_activation_bytes
 from hf_fsdp2.cli import main, parse_lora
-from hf_fsdp2.memory_plan import CPU_RUNTIME_BYTES, ModelSizes, PlanRequest, load_config, phases_for, plan
+from hf_fsdp2.planning.activation_trace import LiveBytes, traced_activation_bytes
+from hf_fsdp2.planning.memory_plan import CPU_RUNTIME_BYTES, ModelSizes, PlanRequest, load_config, phases_for, plan
 
 MIB = 2**20
 
@@ -299,14 +299,14 @@ def test_moe_models_are_planned_whole_with_their_experts_traced(tmp_path, capsys
 def test_a_model_the_trace_cannot_run_is_planned_without_activations_and_says_so(tiny, capsys, monkeypatch):
     """A forward the fake trace cannot run (data-dependent control flow, a kernel without a fake): every other
     figure is still reported, the failure named, and no traceback shown."""
-    import hf_fsdp2.activation_trace
-    import hf_fsdp2.memory_plan
+    import hf_fsdp2.planning.activation_trace
+    import hf_fsdp2.planning.memory_plan
 
     def untraceable(*args, **kwargs):
         raise RuntimeError("aten.nonzero: data-dependent output shape")
 
-    monkeypatch.setattr(hf_fsdp2.activation_trace, "traced_activation_bytes", untraceable)
-    hf_fsdp2.memory_plan._activations_of.cache_clear()  # traces of this model made by earlier tests
+    monkeypatch.setattr(hf_fsdp2.planning.activation_trace, "traced_activation_bytes", untraceable)
+    hf_fsdp2.planning.memory_plan._activations_of.cache_clear()  # traces of this model made by earlier tests
     result = plan(tiny("llama"), nproc=2, batch=2, seq=32, device_memory=2**40)
     assert {p.name for p in result.phases} >= {"load", "training", "export (save_model)"}
     assert result.not_traced and "data-dependent" in result.not_traced
@@ -314,7 +314,7 @@ def test_a_model_the_trace_cannot_run_is_planned_without_activations_and_says_so
     status = main(["plan", tiny("llama"), "--nproc", "2", "--batch", "2", "--seq", "32"])
     printed = capsys.readouterr().out
     assert status == 3 and "Activations could not be traced" in printed and "Traceback" not in printed
-    hf_fsdp2.memory_plan._activations_of.cache_clear()
+    hf_fsdp2.planning.memory_plan._activations_of.cache_clear()
 
 
 def test_qlora_counts_the_nf4_base_in_four_bits(tmp_path):
@@ -427,7 +427,7 @@ def test_a_generation_phase_holds_the_gathered_model_and_the_kv_cache(tmp_path, 
 @pytest.mark.parametrize("family", ["llama", "gpt2", "qwen3_moe", "gemma", "qwen3"])
 def test_the_start_bound_holds_what_the_trace_counts(family):
     """The trainer's start skips the trace only under this bound, so it must never be below the trace."""
-    from hf_fsdp2.memory_plan import _activations, activation_bound, skeleton_sizes
+    from hf_fsdp2.planning.memory_plan import _activations, activation_bound, skeleton_sizes
     from tests.tiny_models import BUILDERS
 
     sizes = skeleton_sizes(BUILDERS[family]().config, None, False)

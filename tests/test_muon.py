@@ -22,9 +22,9 @@ import torch.optim._muon as torch_muon
 from torch import nn
 from transformers import AutoModelForCausalLM, TrainingArguments, ViTConfig, ViTForImageClassification
 
-from hf_fsdp2.muon import NS_COEFFICIENTS, NS_EPS, NS_STEPS, MuonAdamW, adjusted_lr, orthogonalise
-from hf_fsdp2.muon_routing import Muon, split_for_muon
-from hf_fsdp2.optimizer_memory import state_bytes
+from hf_fsdp2.optim.muon import NS_COEFFICIENTS, NS_EPS, NS_STEPS, MuonAdamW, adjusted_lr, orthogonalise
+from hf_fsdp2.optim.muon_routing import Muon, split_for_muon
+from hf_fsdp2.optim.state_sizes import state_bytes
 from tests import tiny_models
 from tests.launch import ROOT, load_result, load_runs, run
 

@@ -10,7 +10,7 @@ pytest.importorskip("torchao", reason="the 'qlora' extra")
 
 
 def _torchao() -> tuple:
-    from hf_fsdp2.nf4 import BLOCK, SCALER_BLOCK, _torchao_nf4
+    from hf_fsdp2.adapters.nf4 import BLOCK, SCALER_BLOCK, _torchao_nf4
 
     nf4 = _torchao_nf4()
     return nf4, BLOCK * SCALER_BLOCK
@@ -22,7 +22,7 @@ def _levels(dtype: torch.dtype) -> torch.Tensor:
 
 
 def _check(values: torch.Tensor) -> None:
-    from hf_fsdp2.nf4_nearest import nearest_codes
+    from hf_fsdp2.adapters.nf4_nearest import nearest_codes
 
     nf4, _ = _torchao()
     levels = _levels(values.dtype)
@@ -40,7 +40,7 @@ def test_every_half_precision_value_in_range_gets_torchaos_code(dtype):
 
 
 def test_fp32_values_around_every_decision_point_and_level_get_torchaos_code():
-    from hf_fsdp2.nf4_nearest import decision_points
+    from hf_fsdp2.adapters.nf4_nearest import decision_points
 
     nf4, _ = _torchao()
     levels = _levels(torch.float32)
@@ -56,7 +56,7 @@ def test_fp32_values_around_every_decision_point_and_level_get_torchaos_code():
 
 def test_values_scaled_from_a_zero_block_are_code_zero_as_in_torchao():
     """A block of zeros divided by its zero absmax is NaN; torchao's first-smallest distance makes it code 0."""
-    from hf_fsdp2.nf4 import nf4_from_rows
+    from hf_fsdp2.adapters.nf4 import nf4_from_rows
 
     nf4, _ = _torchao()
     weight = torch.randn(256, 256)

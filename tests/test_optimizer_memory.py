@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from hf_fsdp2.muon_routing import Muon, split_for_muon
-from hf_fsdp2.optimizer_memory import PLANNED, state_bytes
+from hf_fsdp2.optim.muon_routing import Muon, split_for_muon
+from hf_fsdp2.optim.state_sizes import PLANNED, state_bytes
 from tests.launch import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "scripts", "measure"))

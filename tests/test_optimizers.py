@@ -1,7 +1,7 @@
 """Every `TrainingArguments(optim=...)` value under FSDP2Trainer: exact against plain Trainer in one process, or
 refused at construction with the reason and an alternative.
 
-The verdict table (hf_fsdp2/optimizers.py) must cover every value of transformers' OptimizerNames, so a value added
+The verdict table (hf_fsdp2/optim/verdicts.py) must cover every value of transformers' OptimizerNames, so a value added
 by a later transformers gets a verdict before anyone can use it. tests/workers/optim_worker.py trains a tiny Llama
 4 steps with each value whose package is installed: plain Trainer in one process (the reference), FSDP2Trainer at 2
 ranks, then FSDP2Trainer in one process, which also resumes the checkpoints the 2-rank run wrote.
@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers.training_args import OptimizerNames
 
-from hf_fsdp2.optimizers import OPTIM_VERDICTS, check_optim
+from hf_fsdp2.optim.verdicts import OPTIM_VERDICTS, check_optim
 from tests.launch import load_runs, run
 
 TOLERANCE = 1e-5
@@ -32,7 +32,7 @@ def installed(optim: str) -> bool:
 def test_every_optimizer_name_of_transformers_has_a_verdict():
     names = {member.value for member in OptimizerNames}
     missing = sorted(names - set(OPTIM_VERDICTS))
-    assert not missing, f"transformers added optim values without a verdict in hf_fsdp2.optimizers: {missing}"
+    assert not missing, f"transformers added optim values without a verdict in hf_fsdp2.optim.verdicts: {missing}"
     assert sorted(set(OPTIM_VERDICTS) - names) == []
     for name, verdict in OPTIM_VERDICTS.items():
         assert verdict.kind in ("shards", "local_shards", "whole_matrix", "refused")

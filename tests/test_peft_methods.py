@@ -14,9 +14,9 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, TrainingArguments
 
 from hf_fsdp2 import FSDP2Config, FSDP2Trainer, from_pretrained
-from hf_fsdp2.adapter_checkpoint import load_adapter, save_adapter
-from hf_fsdp2.adapters import check_replayable
-from hf_fsdp2.facts import ModelFacts
+from hf_fsdp2.adapters.methods import check_replayable
+from hf_fsdp2.checkpoints.adapters import load_adapter, save_adapter
+from hf_fsdp2.loading.facts import ModelFacts
 from tests.launch import run
 
 MODEL = "llama"

@@ -10,7 +10,7 @@ import pytest
 
 from hf_fsdp2 import FSDP2Config
 from hf_fsdp2.distributed import restart_store_prefix
-from hf_fsdp2.preemption import Preempted, PreemptionWatcher
+from hf_fsdp2.trainer.preemption import Preempted, PreemptionWatcher
 
 
 def test_a_signal_is_recorded_and_acted_on_at_the_next_check_only():

@@ -96,7 +96,7 @@ def test_the_skeleton_nf4_weight_has_torchaos_inner_tensors(dtype):
     """NF4 on the meta skeleton is built from shapes alone; each inner tensor as torchao's `to_nf4` makes it."""
     from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
 
-    from hf_fsdp2.nf4 import meta_nf4
+    from hf_fsdp2.adapters.nf4 import meta_nf4
 
     weight = torch.empty(512, 256, dtype=dtype, device="meta")
     ours, theirs = meta_nf4(weight), to_nf4(weight)
@@ -119,7 +119,7 @@ def test_a_shard_quantized_from_its_rows_is_bit_equal_to_chunking_the_whole_quan
     """Each rank's NF4 from its rows and the whole tensor's mean block absmax equals to_nf4(whole) chunked."""
     from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import get_block_absmax, to_nf4
 
-    from hf_fsdp2.nf4 import BLOCK, nf4_from_rows
+    from hf_fsdp2.adapters.nf4 import BLOCK, nf4_from_rows
 
     torch.manual_seed(0)
     weight = torch.randn(shape, dtype=dtype)
@@ -138,7 +138,7 @@ def test_a_shard_quantized_from_its_rows_is_bit_equal_to_chunking_the_whole_quan
 def test_which_weights_stay_dense_and_why():
     from torch import nn
 
-    from hf_fsdp2.nf4 import why_not_nf4
+    from hf_fsdp2.adapters.nf4 import why_not_nf4
 
     frozen = nn.Parameter(torch.empty(256, 256, device="meta"), requires_grad=False)
     assert why_not_nf4("model.layers.0.self_attn.q_proj.weight", frozen, 2) is None
@@ -147,7 +147,7 @@ def test_which_weights_stay_dense_and_why():
     small = nn.Parameter(torch.empty(128, 128, device="meta"), requires_grad=False)
     assert "not a whole number of 16384-value blocks" in why_not_nf4("x.q_proj.weight", small, 2)
     assert why_not_nf4("x.q_proj.weight", nn.Parameter(torch.empty(256, 256, device="meta")), 2) == "trainable"
-    from hf_fsdp2.nf4 import describe_dense
+    from hf_fsdp2.adapters.nf4 import describe_dense
 
     dense = {f"model.layers.{i}.mlp.down_proj.weight": "slice" for i in range(3)} | {"lm_head.weight": "head"}
     assert describe_dense(dense) == "lm_head.weight: head; model.layers.*.mlp.down_proj.weight: slice"
@@ -156,7 +156,7 @@ def test_which_weights_stay_dense_and_why():
 def test_other_quantization_configs_are_refused_by_name():
     from transformers import BitsAndBytesConfig
 
-    from hf_fsdp2.skeleton import four_bit_quantization
+    from hf_fsdp2.loading.skeleton import four_bit_quantization
 
     kwargs = {"quantization_config": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")}
     assert four_bit_quantization(kwargs) == "nf4" and "quantization_config" not in kwargs

@@ -8,7 +8,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 
-import hf_fsdp2.safetensors_reader as reader
+import hf_fsdp2.loading.safetensors_reader as reader
 
 
 @pytest.mark.parametrize("staging_bytes", [24, 1 << 20])  # several chunks, rows wider than the buffer; one chunk

@@ -77,7 +77,7 @@ class OwnFormat(nn.Module):
 
 
 def test_who_writes_a_models_folder():
-    from hf_fsdp2.owner_export import owner_save
+    from hf_fsdp2.export.owner import owner_save
 
     def trainer_save(directory: str) -> None:
         raise NotImplementedError

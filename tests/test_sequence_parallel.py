@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from hf_fsdp2 import FSDP2Config
-from hf_fsdp2.sequence_parallel import check_inputs, check_model, check_padding, split_row
-from hf_fsdp2.ulysses_attention import _document_mask, documents_of
+from hf_fsdp2.long_rows.sequence_parallel import check_inputs, check_model, check_padding, split_row
+from hf_fsdp2.long_rows.ulysses_attention import _document_mask, documents_of
 from tests.launch import load_result, run_batch
 
 TOL = 1e-5

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from hf_fsdp2 import FSDP2Config
-from hf_fsdp2.sharding import mixed_precision_policy, scalar_parameters, select_units, upcast_trainable
+from hf_fsdp2.sharding.units import mixed_precision_policy, scalar_parameters, select_units, upcast_trainable
 from tests.tiny_models import gpt2, llama
 
 

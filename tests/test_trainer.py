@@ -10,7 +10,7 @@ from transformers import TrainingArguments
 
 from hf_fsdp2 import FSDP2Config
 from hf_fsdp2.distributed import _release_mesh_groups
-from hf_fsdp2.trainer import _loss_uses_num_items, _validate_args, _validate_training_args, repoint_optimizer
+from hf_fsdp2.trainer.mixin import _loss_uses_num_items, _validate_args, _validate_training_args, repoint_optimizer
 from tests.launch import load_result, run, run_batch
 
 

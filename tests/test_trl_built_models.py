@@ -61,8 +61,8 @@ def test_a_trainer_that_takes_paths_builds_them_as_skeletons(tiny):
     from transformers import AutoModelForSequenceClassification, PreTrainedModel, Trainer
     from trl import KTOTrainer, RewardTrainer
 
-    from hf_fsdp2.path_models import check_all_sharded, loading_for_real, skeletons_for_paths
-    from hf_fsdp2.trainer import _builds_from_paths
+    from hf_fsdp2.loading.path_models import check_all_sharded, loading_for_real, skeletons_for_paths
+    from hf_fsdp2.trainer.mixin import _builds_from_paths
 
     assert _builds_from_paths(RewardTrainer.__init__) and _builds_from_paths(KTOTrainer.__init__)
     assert not _builds_from_paths(Trainer.__init__) and not _builds_from_paths(SentenceTransformerTrainer.__init__)

@@ -18,8 +18,8 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer, Trai
 
 from ..config import FSDP2Config
 from ..distributed import init_distributed, is_rank0
-from ..skeleton import from_pretrained
-from ..trainer import FSDP2Trainer
+from ..loading.skeleton import from_pretrained
+from ..trainer.mixin import FSDP2Trainer
 from .args import require_eval_file
 from .demo_task import ACCURACY_PATH, build_sentiment
 from .jsonl import read_jsonl

@@ -95,7 +95,7 @@ def demo_tokenizer() -> PreTrainedTokenizerFast:
 
 
 # hidden, intermediate size of each demo model. "qlora": every projection splits into whole NF4 blocks
-# (64 x 256 values) at up to 4 ranks, so a 4-bit base quantizes all of them (hf_fsdp2.nf4.why_not_nf4).
+# (64 x 256 values) at up to 4 ranks, so a 4-bit base quantizes all of them (hf_fsdp2.adapters.nf4.why_not_nf4).
 DEMO_SIZES = {"tiny": (64, 128), "qlora": (256, 512)}
 
 

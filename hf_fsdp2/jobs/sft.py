@@ -19,8 +19,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 
 from ..config import FSDP2Config
 from ..distributed import init_distributed, is_rank0
-from ..skeleton import from_pretrained
-from ..trainer import FSDP2Trainer
+from ..loading.skeleton import from_pretrained
+from ..trainer.mixin import FSDP2Trainer
 from .args import require_eval_file
 from .demo_task import EXACT_MATCH_PATH, build_demo
 from .jsonl import read_jsonl

@@ -149,7 +149,7 @@ def worker(args: argparse.Namespace) -> None:
     from transformers import AutoModelForCausalLM
 
     import hf_fsdp2
-    from hf_fsdp2.gathering import gathered_bytes
+    from hf_fsdp2.sharding.gathering import gathered_bytes
 
     if args.worker.startswith("grpo"):
         return grpo_worker(args)
@@ -209,7 +209,7 @@ def _write(args: argparse.Namespace, name: str, result: dict) -> None:
 def planned_mib(args: argparse.Namespace) -> float:
     """What `hf-fsdp2 plan --generate` adds above the resident shards: the larger of its two generation phases
     (gathering: the model and one unit's all-gather buffers; tokens: the model, KV cache, prefill)."""
-    from hf_fsdp2.memory_plan import plan
+    from hf_fsdp2.planning.memory_plan import plan
 
     result = plan(
         os.path.join(args.workdir, "model"), nproc=args.ranks, batch=args.batch, seq=args.prompt,

@@ -142,7 +142,7 @@ def measure(args: argparse.Namespace, seq: int, size: int) -> dict:
 
 def planned_mib(args: argparse.Namespace, seq: int, size: int) -> float:
     """The planner's training peak minus what is resident before training (sharded parameters, buffers, runtime)."""
-    from hf_fsdp2.memory_plan import plan
+    from hf_fsdp2.planning.memory_plan import plan
 
     result = plan(
         os.path.join(args.workdir, "model"), nproc=args.nproc, seq=seq, loss_chunk_size=args.loss_chunk,

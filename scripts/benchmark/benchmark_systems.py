@@ -23,7 +23,7 @@ from transformers.distributed import DistributedConfig
 
 import hf_fsdp2
 from hf_fsdp2 import FSDP2Config, FSDP2Trainer, consolidate
-from hf_fsdp2.nf4 import _torchao_nf4
+from hf_fsdp2.adapters.nf4 import _torchao_nf4
 
 try:
     _torchao_nf4()  # imported before the baseline like every other library (the 'qlora' extra)

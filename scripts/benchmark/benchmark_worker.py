@@ -72,7 +72,7 @@ def count_all_gathers() -> dict[str, int]:
 def parameter_bytes(model: Any) -> dict[str, int]:
     """This rank's parameter bytes (NF4 weights by their 4-bit inner tensors), the frozen base's part, its element
     count, and the largest local tensor (the slice a rank reads at once while loading)."""
-    from hf_fsdp2.nf4 import is_nf4, stored_bytes
+    from hf_fsdp2.adapters.nf4 import is_nf4, stored_bytes
 
     params = list(model.parameters())
     frozen = [p for p in params if not p.requires_grad]

@@ -67,7 +67,7 @@ def small_agreements() -> None:
 @path
 def muon_owner_exchange() -> None:
     """Muon's gather/scatter of split matrices and its owner-failure agreement."""
-    from hf_fsdp2.muon import MuonAdamW
+    from hf_fsdp2.optim.muon import MuonAdamW
 
     model = _sharded_pair()
     matrices = [p for p in model.parameters() if p.ndim == 2]
@@ -82,7 +82,7 @@ def adafactor_statistics() -> None:
     """Adafactor's row/column statistics summed over the shard group."""
     from transformers.optimization import Adafactor
 
-    from hf_fsdp2.adafactor import make_adafactor_exact
+    from hf_fsdp2.optim.adafactor import make_adafactor_exact
 
     model = _sharded_pair()
     optimizer = Adafactor(model.parameters(), lr=1e-3, relative_step=False, scale_parameter=True)
@@ -93,7 +93,7 @@ def adafactor_statistics() -> None:
 @path
 def preemption_agreement() -> None:
     """The stop flag every rank agrees on after a step."""
-    from hf_fsdp2.preemption import PreemptionWatcher
+    from hf_fsdp2.trainer.preemption import PreemptionWatcher
 
     watcher = PreemptionWatcher(["SIGUSR1"])
     with watcher.watching():
@@ -104,7 +104,7 @@ def preemption_agreement() -> None:
 @path
 def disk_space_check() -> None:
     """Free space gathered from every rank before a save."""
-    from hf_fsdp2.disk_space import check_room
+    from hf_fsdp2.checkpoints.disk_space import check_room
 
     with tempfile.TemporaryDirectory() as folder:
         assert check_room(folder, 1) >= 1
@@ -113,7 +113,7 @@ def disk_space_check() -> None:
 @path
 def branch_gradients() -> None:
     """Whether any rank ran a branch in this step (vision towers, experts)."""
-    from hf_fsdp2.branches import BranchGuard
+    from hf_fsdp2.loading.branches import BranchGuard
 
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)).to(distributed.get_device())
     guard = BranchGuard(model, ["0"], None)
@@ -126,7 +126,7 @@ def branch_gradients() -> None:
 @path
 def router_loss_totals() -> None:
     """MoE router counts summed over ranks."""
-    from hf_fsdp2.router_loss import global_router_loss
+    from hf_fsdp2.trainer.router_loss import global_router_loss
 
     logits = (torch.randn(10, 4, device=distributed.get_device()),)
     share, local = global_router_loss(logits, experts=4, top_k=2, mask=None)
@@ -136,7 +136,7 @@ def router_loss_totals() -> None:
 @path
 def scalar_gradients() -> None:
     """0-dim parameters' gradients averaged in backward."""
-    from hf_fsdp2.sharding import reduce_scalar_gradients
+    from hf_fsdp2.sharding.units import reduce_scalar_gradients
 
     model = nn.Module()
     model.scale = nn.Parameter(torch.tensor(2.0, device=distributed.get_device()))
@@ -148,7 +148,7 @@ def scalar_gradients() -> None:
 @path
 def generation_fit_check() -> None:
     """Whether the gathered model fits on every rank, and the join check of collective methods."""
-    from hf_fsdp2.collective_methods import all_ranks_join, gathered_fits
+    from hf_fsdp2.sharding.collective_methods import all_ranks_join, gathered_fits
 
     model = _sharded_pair()
     all_ranks_join("the collective-path check")
@@ -158,7 +158,7 @@ def generation_fit_check() -> None:
 @path
 def buffers_from_rank0() -> None:
     """Non-persistent buffers sent from rank 0 after loading."""
-    from hf_fsdp2.loading import broadcast_buffers
+    from hf_fsdp2.loading.weights import broadcast_buffers
 
     model = nn.Module()
     model.register_buffer("inv_freq", torch.full((4,), float(distributed.get_rank()), device=distributed.get_device()))
@@ -169,7 +169,7 @@ def buffers_from_rank0() -> None:
 @path
 def owner_export_error() -> None:
     """Rank 0's export failure shared with every rank."""
-    from hf_fsdp2.owner_export import share_error
+    from hf_fsdp2.export.owner import share_error
 
     box: list[str | None] = [None]
     share_error(box)
@@ -180,7 +180,7 @@ def owner_export_error() -> None:
 def nf4_block_statistics() -> None:
     """NF4's block absmax gathered over the shard group (needs torchao)."""
     try:
-        from hf_fsdp2.nf4 import global_mean_absmax
+        from hf_fsdp2.adapters.nf4 import global_mean_absmax
     except ImportError as error:  # NOTE: the qlora extra; the caller reports it as skipped
         raise ModuleNotFoundError(str(error)) from error
     rows = torch.randn(4, 128, device=distributed.get_device())
@@ -191,7 +191,7 @@ def nf4_block_statistics() -> None:
 @path
 def checkpoint_parts() -> None:
     """A sharded save of model and optimizer, synchronous and asynchronous (DCP over the save groups)."""
-    from hf_fsdp2.checkpoint import PartSavers, sharded_parts, wait_for_writes, write_parts
+    from hf_fsdp2.checkpoints.sharded import PartSavers, sharded_parts, wait_for_writes, write_parts
 
     model = _sharded_pair()
     optimizer = torch.optim.AdamW(model.parameters())

@@ -68,7 +68,7 @@ def load(system: str, path: str):  # noqa: ANN201
 
 def rewrite(path: str, mode: str) -> None:
     """Rewrite the safetensors file in place: its tensor bytes zeroed, or the file cut to half its size."""
-    from hf_fsdp2.safetensors_reader import read_header
+    from hf_fsdp2.loading.safetensors_reader import read_header
 
     if mode == "truncate":
         os.truncate(path, os.path.getsize(path) // 2)

@@ -80,7 +80,7 @@ def worker(optimizer_name: str, dim: int, blocks: int, steps: int, out: str) -> 
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    from hf_fsdp2.muon import make_shard_exact
+    from hf_fsdp2.optim.muon import make_shard_exact
 
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))

@@ -64,12 +64,12 @@ def worker(args: argparse.Namespace) -> None:
     from transformers import TrainerCallback, TrainingArguments
 
     import hf_fsdp2.model
-    import hf_fsdp2.sharding
+    import hf_fsdp2.sharding.units
     from hf_fsdp2 import FSDP2Trainer
 
     placement, tower = args.worker.split(",")
     if placement == "per-layer":  # what FSDP2 does by default: the tower's layers are units of their own
-        hf_fsdp2.sharding.branch_names = hf_fsdp2.model.branch_names = lambda model, named: []
+        hf_fsdp2.sharding.units.branch_names = hf_fsdp2.model.branch_names = lambda model, named: []
     baseline = vm_kib("VmRSS")
     tokens = (IMAGE // PATCH) ** 2
     g = torch.Generator().manual_seed(0)

@@ -153,7 +153,7 @@ def main() -> None:
     args = parse_args()
     if args.worker:
         return worker(args)
-    from hf_fsdp2.memory_plan import plan
+    from hf_fsdp2.planning.memory_plan import plan
 
     sizes = ["medium"] if args.quick else args.sizes.split(",")
     ranks = [2] if args.quick else [int(n) for n in args.nproc.split(",")]

@@ -18,8 +18,8 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGath
 from torch.distributed.tensor import DTensor
 
 from hf_fsdp2 import FSDP2Config
-from hf_fsdp2.comm_buffers import BufferPool, PooledAllGather
-from hf_fsdp2.sharding import shard_model
+from hf_fsdp2.sharding.comm_buffers import BufferPool, PooledAllGather
+from hf_fsdp2.sharding.units import shard_model
 from tests.tiny_models import VOCAB, llama
 
 STEPS = 4

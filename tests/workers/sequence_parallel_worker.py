@@ -194,8 +194,8 @@ def write(out: str, result: dict) -> None:
 def probe(opts: argparse.Namespace) -> dict:
     """Split forward of a packed row of three documents vs the unsplit model, and the perturbation counts."""
     from hf_fsdp2.distributed import init_distributed
-    from hf_fsdp2.sequence_parallel import SequenceParallel, check_model, split_row
-    from hf_fsdp2.ulysses_attention import RowLayout, documents_of, ulysses
+    from hf_fsdp2.long_rows.sequence_parallel import SequenceParallel, check_model, split_row
+    from hf_fsdp2.long_rows.ulysses_attention import RowLayout, documents_of, ulysses
 
     init_distributed()
     torch.manual_seed(0)

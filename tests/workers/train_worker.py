@@ -25,7 +25,7 @@ from transformers import (
 )
 
 from hf_fsdp2 import FSDP2Config, FSDP2Trainer, close_distributed, from_pretrained
-from hf_fsdp2.gathering import gathered_bytes
+from hf_fsdp2.sharding.gathering import gathered_bytes
 from tests.tiny_models import tiny_tokenizer
 from tests.workers.scenarios import PARITY_ADAM_EPSILON, main_with_batches
 
@@ -124,7 +124,7 @@ def fill_disk_at_save(nth: int, out: str) -> None:
 
     import torch.distributed as dist
 
-    import hf_fsdp2.trainer_checkpoint as trainer_module
+    import hf_fsdp2.trainer.checkpointing as trainer_module
 
     real, calls = trainer_module.check_room, {"n": 0}
 

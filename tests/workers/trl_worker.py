@@ -221,7 +221,7 @@ def reward(name: str, path: str) -> dict[str, Any]:
         "num_labels": trainer.model.num_labels,
     }
     if MODE == "fsdp2":
-        from hf_fsdp2.skeleton import get_source
+        from hf_fsdp2.loading.skeleton import get_source
 
         result["fsdp2_only"] = {"read_by_slices": get_source(trainer.model) is not None}
     return result
@@ -252,7 +252,7 @@ def kto_full() -> dict[str, Any]:
     if MODE == "fsdp2":
         from torch.distributed.fsdp import FSDPModule
 
-        from hf_fsdp2.skeleton import get_source
+        from hf_fsdp2.loading.skeleton import get_source
 
         ref = trainer.ref_model
         result["fsdp2_only"] = {

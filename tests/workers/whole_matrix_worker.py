@@ -33,10 +33,10 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from transformers.optimization import Adafactor
 
-from hf_fsdp2.adafactor import ShardedAdafactor
-from hf_fsdp2.muon import make_shard_exact, orthogonalise
-from hf_fsdp2.muon_routing import Muon, _trainer_decay_names
-from hf_fsdp2.optimizers import _local_view
+from hf_fsdp2.optim.adafactor import ShardedAdafactor
+from hf_fsdp2.optim.muon import make_shard_exact, orthogonalise
+from hf_fsdp2.optim.muon_routing import Muon, _trainer_decay_names
+from hf_fsdp2.optim.verdicts import _local_view
 
 STEPS, SAVE_AT = 5, 3
 HPARAMS = dict(lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.1, adjust_lr_fn=None)
@@ -136,7 +136,7 @@ def owned_per_rank(mesh: dist.DeviceMesh) -> list[int]:
 
 def owner_failure(mesh: dist.DeviceMesh) -> str:
     """Newton–Schulz raising on rank 1 only: every rank must raise, none may wait for the others forever."""
-    import hf_fsdp2.muon as muon
+    import hf_fsdp2.optim.muon as muon
 
     model, optimizer = sharded(mesh)
     original = muon.orthogonalise

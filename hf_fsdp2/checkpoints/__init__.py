@@ -1,0 +1,1 @@
+"""Sharded DCP checkpoints: write, read, resume, adapters, a full disk."""

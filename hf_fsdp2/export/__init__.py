@@ -1,0 +1,1 @@
+"""Hugging Face folders from a live model or a checkpoint, streamed unit by unit."""

@@ -1,0 +1,1 @@
+"""Long rows: the chunked loss and sequence parallelism (Ulysses attention)."""

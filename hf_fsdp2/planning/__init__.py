@@ -1,0 +1,1 @@
+"""Memory plans before launch: each rank's bytes in every phase."""

@@ -1,0 +1,1 @@
+"""fully_shard over the model's units, the communication buffers, and whole-model gathering."""

@@ -1,0 +1,193 @@
+"""Where `FSDP2Mixin` saves: sharded checkpoints written under a staging name and published when complete, and
+from_pretrained-ready exports of the live model.
+
+It decides when and what is written; the DCP files are `checkpoint`'s, the Hugging Face folders `live_export`'s; reading
+a checkpoint back is not its job. Every private Trainer hook it touches:
+- `_save_checkpoint`: every save is a sharded DCP save under a staging name, renamed when complete
+  (tests/test_checkpoint.py). It reuses `_save_rng_state`, `store_flos` and `_get_output_dir`.
+- `_finalize_training`: waits for a pending asynchronous save before training ends.
+- `save_model`: writes a from_pretrained-ready folder, gathering one tensor at a time (a PEFT model: its
+  adapter folder, or the merged model with `merge_adapters_on_save`).
+- `_save` (a subclass's own, such as sentence-transformers'): `save_model` and the end-of-training export of a model
+  that is not a `PreTrainedModel` run it on rank 0 with the model presented unsharded, so the folder is the
+  subclass's format (`owner_export`; tests/test_sentence_transformers.py).
+PEFT models get adapter-only checkpoints: peft's adapter files plus the DCP optimizer state of the
+trainable parameters (tests/test_lora.py).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from transformers import Trainer
+from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME, TRAINING_ARGS_NAME
+from transformers.trainer_callback import ExportableState
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+
+from ..checkpoints.adapters import save_adapter
+from ..checkpoints.disk_space import check_room, raise_if_write_failed, tensor_bytes
+from ..checkpoints.sharded import (
+    PartSavers,
+    begin_checkpoint,
+    commit_checkpoint,
+    sharded_parts,
+    wait_for_writes,
+    write_parts,
+)
+from ..config import FSDP2Config
+from ..distributed import is_rank0, log_rank0
+from ..export.live import save_pretrained_sharded, write_model_files
+from ..loading.facts import facts_of
+from .callbacks import ConsolidateCallback
+from .step import _unwrap_optimizer
+
+
+class CheckpointMixin:
+    """`FSDP2Mixin`'s saves: checkpoint-N (synchronous or asynchronous) and the exported model folder. Expects the
+    composing trainer's `fsdp2_config`, `_savers`, `_pending_save`, `_preemption` and `_stop_preempted`."""
+
+    @property
+    def _peft(self) -> bool:
+        return facts_of(self.model).is_peft
+
+    def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
+        """Write checkpoint-N as a sharded DCP checkpoint under a staging name; rename it when complete."""
+        if self.hp_search_backend is None and trial is None:
+            self.store_flos()
+        run_dir = self._get_output_dir(trial=trial)
+        final = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        self._wait_for_pending_save()
+        staging = begin_checkpoint(final)
+        optimizer = None if self.args.save_only_model else _unwrap_optimizer(self.optimizer)
+        if self._savers is None:
+            # NOTE: creates process groups: a collective, as is every save.
+            self._savers = PartSavers(async_save=self.fsdp2_config.async_save)
+        pending, need, error = [], 0, None
+        try:
+            parts = sharded_parts(self.model, optimizer, not self._peft)
+            need = check_room(final, tensor_bytes(parts) + self._adapter_bytes())  # fails at once when plainly full
+            pending = write_parts(staging, parts, self._savers, self.fsdp2_config.checkpoint_writes == "direct")
+            if self._peft:
+                save_adapter(self.model, staging)  # small and gathered: written before training goes on
+            self._save_checkpoint_files(staging)
+        except (Exception, CheckpointException) as caught:  # CheckpointException is a BaseException
+            error = caught
+        if self._savers.stagers:
+            # NOTE: async: every rank learns of a failure here, before any goes on training (the writes in flight
+            # are waited for first, so the partial folder can be removed).
+            if error is not None:  # the writes' own failure first: the files they filled the disk with made ours fail
+                error = wait_for_writes(pending) or error
+            raise_if_write_failed(error, final, staging, need)
+        self._pending_save = (pending, staging, final, run_dir, need, error)
+        if not pending or self._preemption.stop_signal:
+            self._wait_for_pending_save()
+        if self._preemption.stop_signal:
+            self._stop_preempted(final)
+
+    def _adapter_bytes(self) -> int:
+        """Bytes of the adapter files rank 0 writes into a PEFT checkpoint (0 elsewhere)."""
+        if not self._peft or not is_rank0():
+            return 0
+        return sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
+
+    def _save_checkpoint_files(self, directory: str) -> None:
+        """Everything beside the DCP folders: RNG (every rank), scheduler, state, args, config, tokenizer."""
+        self._save_rng_state(directory)
+        if not self.args.should_save:
+            return
+        if not self.args.save_only_model and self.lr_scheduler is not None:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(directory, SCHEDULER_NAME))
+        torch.save(self.args, os.path.join(directory, TRAINING_ARGS_NAME))
+        # An adapter checkpoint gets no config.json: it is not a from_pretrained folder of the base model.
+        write_model_files(None if self._peft else self.model, directory, self.processing_class)
+        for callback in self.callback_handler.callbacks + [self.control]:
+            if isinstance(callback, ExportableState):
+                name = callback.__class__.__name__
+                if isinstance(self.state.stateful_callbacks.get(name), list):
+                    self.state.stateful_callbacks[name].append(callback.state())
+                else:
+                    self.state.stateful_callbacks[name] = callback.state()
+        self.state.save_to_json(os.path.join(directory, TRAINER_STATE_NAME))
+
+    def _wait_for_pending_save(self) -> None:
+        """Finish the last save: wait for its writes, publish it under its name, rotate old checkpoints."""
+        if self._pending_save is None:
+            return
+        pending, staging, final, run_dir, need, error = self._pending_save
+        self._pending_save = None
+        error = error or wait_for_writes(pending)
+        raise_if_write_failed(error, final, staging, need)  # NOTE: collective: one clear error on every rank
+        commit_checkpoint(staging, final)
+        if self._peft and is_rank0():
+            size, base_bytes = _folder_bytes(final), _base_model_bytes(self.model)
+            log_rank0(
+                "%s: %.2f MiB on disk (adapter + optimizer state), %.2f%% of the %.1f MiB base model.",
+                os.path.basename(final),
+                size / 2**20,
+                100 * size / max(base_bytes, 1),
+                base_bytes / 2**20,
+            )
+        if self.state.best_global_step:
+            best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
+            if os.path.exists(best):
+                self.state.best_model_checkpoint = best
+        if self.args.should_save:
+            rotate_checkpoints(
+                output_dir=run_dir,
+                save_total_limit=self.args.save_total_limit,
+                best_model_checkpoint=self.state.best_model_checkpoint,
+                use_mtime=True,
+            )
+
+    def _finalize_training(self, trial: Any, num_train_samples: int, start_time: float) -> Any:
+        """The end of training waits for an asynchronous save to be complete on disk."""
+        self._wait_for_pending_save()
+        if self._savers is not None:
+            self._savers.close()
+            self._savers = None
+        return super()._finalize_training(trial, num_train_samples, start_time)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Write a from_pretrained-ready folder (weights gathered one tensor at a time, config, tokenizer)."""
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        save_pretrained_sharded(
+            self.model,
+            output_dir,
+            processing_class=self.processing_class,
+            dtype=self.fsdp2_config.export_dtype,
+            max_shard_size=self.fsdp2_config.max_shard_size,
+            merge_adapters=self.fsdp2_config.merge_adapters_on_save,
+            trainer_save=self._own_save(),
+        )
+        if is_rank0():
+            torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+
+    def _own_save(self) -> Callable[[str], None] | None:
+        """The trainer subclass's own `_save` (sentence-transformers' writes modules.json), or None: Trainer's own
+        writes what the streamed export does."""
+        mro = type(self).__mro__
+        own = any("_save" in vars(cls) for cls in mro[: mro.index(Trainer)] if cls is not CheckpointMixin)
+        return self._save if own else None
+
+
+def _consolidate_callback(config: FSDP2Config) -> ConsolidateCallback:
+    """The end-of-training export the config asks for (added unless the user passed their own)."""
+    return ConsolidateCallback(
+        dtype=config.export_dtype, max_shard_size=config.max_shard_size, merge_adapters=config.merge_adapters_on_save
+    )
+
+
+def _base_model_bytes(model: nn.Module) -> int:
+    """Bytes of the model's non-adapter parameters (global sizes), to put adapter checkpoints in proportion."""
+    facts = facts_of(model)
+    return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not facts.is_adapter(n))
+
+
+def _folder_bytes(folder: str) -> int:
+    """Total size of the files under `folder`."""
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(folder) for f in files)

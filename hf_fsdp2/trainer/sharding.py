@@ -1,0 +1,134 @@
+"""Where `FSDP2Mixin` shards: the model Trainer is given, each model `model_init` returns, and extra models a subclass
+prepares; the checks on arguments and processes that come first.
+
+It decides when and what is sharded; how is `model.prepare_model`'s, and the check and shard of one model is
+`FSDP2Mixin._shard`. Every private Trainer/Accelerate hook it touches:
+- `create_accelerator_and_postprocess`: the first thing `Trainer.__init__` calls after storing the model;
+  the model is sharded there (in place), after a subclass's own `__init__` changed it (TRL's
+  `get_peft_model`) and before Trainer reads it (tests/test_trl.py, tests/test_dropin.py).
+- `call_model_init`: each model `model_init` returns is sharded (tests/test_dropin.py model_init).
+- `Accelerator.prepare_model` (wrapped on the instance): an extra model a subclass prepares for evaluation
+  (DPO's reference) is sharded frozen instead of replicated (tests/test_trl.py dpo_full).
+- `TrainingArguments._setup_devices` (its cached value dropped, then computed again): on a machine without
+  accelerators under torchrun, `use_cpu` is set so Accelerate sees the CPU process group
+  (tests/test_trainer.py without use_cpu at 2 ranks; tests/test_readme.py runs the README's script as written).
+- `_move_model_to_device`: a no-op; sharding placed the model (moving DTensors would break offload).
+- `_build_accelerator_args`: mixed_precision="no" so Accelerate adds no autocast; precision belongs to
+  FSDP2's MixedPrecisionPolicy (tests/test_parity.py::bf16).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from transformers import TrainingArguments
+
+from ..config import FSDP2Config
+from ..distributed import log_rank0
+from ..loading.path_models import loading_for_real
+from ..loading.skeleton import from_pretrained
+from ..model import prepare_model
+from .argument_verdicts import refuse_arguments
+
+
+class ShardingMixin:
+    """`FSDP2Mixin`'s sharding entry points: Trainer's model when it first sees it, `model_init`'s, and extra models
+    Accelerate prepares. Expects the composing trainer's `fsdp2_config` and `_shard`."""
+
+    def create_accelerator_and_postprocess(self) -> None:
+        """Shard the model when Trainer first sees it, then let Accelerate shard extra models too."""
+        _validate_training_args(self.args, self.fsdp2_config)
+        _adopt_cpu_process_group(self.args)
+        _check_world_size(self.args)
+        if self.model is not None:
+            # NOTE: in place; Trainer.__init__ goes on with its own reference to this same object.
+            self.model = self._shard(self.model)
+        super().create_accelerator_and_postprocess()
+        self.accelerator.prepare_model = _sharding_extra_models(self.accelerator.prepare_model, self)
+
+    def call_model_init(self, trial: Any = None) -> nn.Module:
+        """Shard each model `model_init` returns, as a model passed directly (Trainer seeds before the call)."""
+        model = super().call_model_init(trial)
+        if isinstance(model, (str, os.PathLike)):
+            model = from_pretrained(model)
+        return self._shard(model)
+
+    def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
+        """Leave placement to sharding."""
+
+    def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
+        """Keep Accelerate's autocast out: FSDP2's MixedPrecisionPolicy owns precision."""
+        accelerator_args = super()._build_accelerator_args(**kwargs)
+        accelerator_args["mixed_precision"] = "no"
+        return accelerator_args
+
+
+def _sharding_extra_models(
+    accelerate_prepare: Callable[..., nn.Module], trainer: ShardingMixin
+) -> Callable[..., nn.Module]:
+    """Wrap `Accelerator.prepare_model` so a subclass's extra model (DPO's reference) is sharded, not replicated.
+
+    Trainer itself prepares its own (already sharded) model through it; any other model prepared for
+    evaluation is frozen and sharded like the trained one (a frozen root reshards after every forward).
+    """
+
+    def prepare(model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False) -> nn.Module:
+        if evaluation_mode and model is not trainer.model and not isinstance(model, FSDPModule):
+            model.requires_grad_(False)
+            with loading_for_real():
+                return prepare_model(model, trainer.fsdp2_config, bf16=trainer.args.bf16).eval()
+        return accelerate_prepare(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+
+    return prepare
+
+
+def _validate_args(model: Any, kwargs: dict[str, Any]) -> None:
+    """Reject a trainer with nothing to train before any process group is started."""
+    if model is None and kwargs.get("model_init") is None:
+        raise ValueError(
+            "FSDP2Trainer needs `model` (a path to a Hugging Face model folder or an nn.Module) or `model_init`."
+        )
+
+
+def _validate_training_args(args: TrainingArguments, config: FSDP2Config) -> None:
+    """Reject TrainingArguments fields sharding cannot honour (`argument_verdicts`), and activations checkpointed
+    twice (their FSDP settings were carried into FSDP2Config already: from_accelerate)."""
+    refuse_arguments(args)
+    if args.activation_checkpointing and config.fsdp_activation_checkpointing:
+        raise ValueError(
+            "Both TrainingArguments(activation_checkpointing=True) and FSDP2Config(fsdp_activation_checkpointing=True) "
+            "are set; keep only FSDP2Config's, which checkpoints each FSDP unit."
+        )
+
+
+def _adopt_cpu_process_group(args: TrainingArguments) -> None:
+    """On a machine without accelerators, let Accelerate see torchrun's CPU process group (no use_cpu=True needed).
+
+    Accelerate counts torchrun's processes on the CPU only with `use_cpu=True`; without it every rank would
+    train alone on the same batches. The same script then runs on a laptop and on a GPU cluster.
+    """
+    launched = dist.get_world_size()
+    if args.use_cpu or launched == 1 or args.world_size == launched or torch.accelerator.is_available():
+        return
+    args.use_cpu = True
+    args.dataloader_pin_memory = False  # what TrainingArguments itself sets for use_cpu
+    args.__dict__.pop("_setup_devices", None)  # the cached device set-up made without use_cpu
+    args._setup_devices  # noqa: B018  (set up again: resets Accelerate's state, which now sees the CPU group)
+    log_rank0("No accelerator on this machine: training on the CPU process group of %d ranks (use_cpu=True).", launched)
+
+
+def _check_world_size(args: TrainingArguments) -> None:
+    """Refuse a Trainer that sees one process while torchrun started several (it would not split the data)."""
+    launched = dist.get_world_size()
+    if launched > 1 and args.world_size != launched:
+        raise ValueError(
+            f"torchrun started {launched} processes but TrainingArguments sees world_size={args.world_size} on "
+            f"{args.device}, so every rank would train on the same batches. Launch one process per accelerator "
+            "(torchrun --nproc_per_node = the number of devices), or pass use_cpu=True to train on the CPU."
+        )
