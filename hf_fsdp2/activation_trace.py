@@ -23,6 +23,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from .compiled_blocks import compile_blocks
 from .skeleton import auto_class_for
 
 
@@ -35,6 +36,7 @@ def traced_activation_bytes(
     lora: Any = None,
     loss_chunk_size: int | None = None,
     sequence_parallel: int = 1,
+    compiled_blocks: list[str] | None = None,
 ) -> int:
     """Peak bytes of activations and temporaries of one training step of `config`'s causal LM at batch × seq
     (a vision-language model: on text-only rows).
@@ -43,7 +45,10 @@ def traced_activation_bytes(
     `lora`: a peft LoraConfig to wrap the model with first (frozen base, trainable adapters);
     `loss_chunk_size`: the head and loss over chunks of this many tokens, as FSDP2Trainer runs them;
     `sequence_parallel`: N ranks share each row: one rank's slice of seq / N tokens (padded up), with the
-    all-to-all buffers of Ulysses attention over the whole row.
+    all-to-all buffers of Ulysses attention over the whole row;
+    `compiled_blocks`: class names of the blocks torch.compile compiles (FSDP2Config(compile=True)): they keep what
+    its partitioner saves for backward (`compiled_blocks`), not what eager autograd saves (checkpointed ones are
+    traced as checkpointed).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -65,6 +70,10 @@ def traced_activation_bytes(
         _to_fake(model, dtype)
         if checkpoint_blocks:
             _checkpoint(model, set(checkpoint_blocks))
+        # NOTE: a checkpointed block keeps only its input between forward and backward, compiled or not; its
+        # recomputation is traced eagerly (fusion can only shrink that transient), so compile changes the rest.
+        if set(compiled_blocks or ()) - set(checkpoint_blocks or ()):
+            compile_blocks(model, set(compiled_blocks or ()) - set(checkpoint_blocks or ()))
         for param in model.parameters():
             if param.requires_grad:
                 param.register_post_accumulate_grad_hook(_drop_grad)
