@@ -66,6 +66,7 @@ def _add_plan_parser(commands: Any) -> None:
         "--generate", type=int, default=0, metavar="N", help="add generate() of N new tokens after --seq-token prompts"
     )
     plan.add_argument("--cpu-offload", action="store_true")
+    plan.add_argument("--compile", action="store_true", help="FSDP2Config(compile=True): each block torch.compiled")
     plan.add_argument("--optim", default="adamw_torch_fused", help="TrainingArguments.optim (default: Trainer's)")
     plan.add_argument("--device-memory", default=None, help="memory per rank, e.g. 80GiB (default: detected)")
     where = plan.add_mutually_exclusive_group()
@@ -117,6 +118,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         sequence_parallel=args.sequence_parallel, generate_tokens=args.generate,
         activation_checkpointing=args.activation_checkpointing, cpu_offload=args.cpu_offload, optim=args.optim,
         device_memory=parse_size(args.device_memory) if args.device_memory else None, cpu=args.cpu,
+        compile=args.compile,
     )  # fmt: skip
     print(json.dumps(result.to_dict(), indent=2) if args.json else format_plan(result))
     if result.not_traced is not None and result.fits:

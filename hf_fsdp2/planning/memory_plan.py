@@ -71,6 +71,8 @@ class PlanRequest:
     sequence_parallel: int = 1
     # generate() of this many new tokens after prompts of `seq` tokens (0: no generation phase), gathered once.
     generate_tokens: int = 0
+    # FSDP2Config(compile=True): each block torch.compiled, keeping what its partitioner saves for backward.
+    compile: bool = False
 
     @property
     def on_cpu(self) -> bool:
@@ -164,6 +166,7 @@ def plan(
     loss_chunk_size: int | None = None,
     sequence_parallel: int = 1,
     generate_tokens: int = 0,
+    compile: bool = False,
 ) -> MemoryPlan:
     """Plan a run of `model` (a folder, a config.json, or the model object itself: a PreTrainedModel, a meta
     skeleton or a PeftModel, whose LoRA rank and targets are used unless `lora_r` is given): per-rank bytes
@@ -179,7 +182,7 @@ def plan(
     request = PlanRequest(
         "", nproc, hsdp, bf16, lora_r, targets, batch, seq, activation_checkpointing,
         cpu_offload, optim, device_memory, cpu, qlora=qlora, loss_chunk_size=loss_chunk_size,
-        sequence_parallel=sequence_parallel, generate_tokens=generate_tokens,
+        sequence_parallel=sequence_parallel, generate_tokens=generate_tokens, compile=compile,
     )  # fmt: skip
     if isinstance(model, nn.Module):
         request = _request_for_object(request, model)
@@ -362,7 +365,7 @@ def log_memory_plan(model: nn.Module, args: Any, config: Any, dataset: Any, opti
             activation_checkpointing=config.fsdp_activation_checkpointing or bool(args.gradient_checkpointing),
             optim=optim or str(getattr(args.optim, "value", args.optim)),
             qlora=any(is_nf4(p) for p in model.parameters()), loss_chunk_size=config.effective_loss_chunk_size,
-            sequence_parallel=config.sequence_parallel_size,
+            sequence_parallel=config.sequence_parallel_size, compile=config.compile,
         )  # fmt: skip
         _validate(request)
         base, lora = _base_and_lora(model)
@@ -431,7 +434,7 @@ def _activations(request: PlanRequest, sizes: ModelSizes, lora: Any) -> int:
     blocks = sizes.block_classes if request.activation_checkpointing else None
     return traced_activation_bytes(
         sizes.config, compute, request.batch, request.seq, blocks, lora, request.loss_chunk_size,
-        request.sequence_parallel,
+        request.sequence_parallel, sizes.block_classes if request.compile else None,
     )  # fmt: skip
 
 
@@ -588,7 +591,8 @@ def format_plan(result: MemoryPlan) -> str:
         f"activation checkpointing {'on' if r.activation_checkpointing else 'off'}"
         f"{', CPU offload' if r.cpu_offload else ''}"
         f"{f', loss in chunks of {r.loss_chunk_size} tokens' if r.loss_chunk_size else ''}"
-        f"{f', rows split across {r.sequence_parallel} ranks' if r.sequence_parallel > 1 else ''}, {r.optim}.",
+        f"{f', rows split across {r.sequence_parallel} ranks' if r.sequence_parallel > 1 else ''}"
+        f"{', blocks compiled' if r.compile else ''}, {r.optim}.",
         "",
         "| phase (per rank) | peak | made of |",
         "|---|---:|---|",

@@ -40,7 +40,7 @@ def planner(spec: dict) -> dict:
             model_path(run["model"]), nproc=1, bf16=bool(run["bf16"]), batch=run["batch"], seq=run["seq"],
             activation_checkpointing=bool(run["ac"]), cpu_offload=bool(run["offload"]),
             lora_r=16 if adapter else None, qlora=adapter == "qlora", loss_chunk_size=run["chunk"],
-            cpu=not on_cuda(), device_memory=memory,
+            cpu=not on_cuda(), device_memory=memory, compile=bool(run["compile"]),
             **({"lora_targets": tuple(LORA["target_modules"])} if adapter else {}),
         )  # fmt: skip
         planned_mib = planned.training_peak / 2**20
