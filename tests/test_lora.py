@@ -218,6 +218,9 @@ def test_base_names_undo_peft_wrapping():
     assert base_name("base_model.model.score.modules_to_save.default.weight") == "score.weight"
     assert base_name("base_model.model.score.original_module.weight") == "score.weight"
     assert base_name("base_model.model.lm_head.weight") == "lm_head.weight"
+    assert base_name("base_model.model.model.embed_tokens.token_adapter.base_layer.weight") == (
+        "model.embed_tokens.weight"
+    )
 
 
 def test_adapter_from_another_base_model_is_refused(tmp_path, tiny):
@@ -275,6 +278,8 @@ def test_frozen_base_stays_bf16_and_adapters_are_fp32_masters(tmp_path, tiny):
             "lm_head.base_layer.weight carries a LoRA adapter but is tied",
         ),
         ("llama", {"use_dora": True}, "uses a LoRA variant \\(DoRA"),
+        # the export would hold the base embedding without the trained rows
+        ("llama", {"trainable_token_indices": [3, 5]}, "trains rows of .*embed_tokens \\(trainable_token_indices\\)"),
     ],
 )
 def test_unmergeable_adapters_are_refused_before_training(tmp_path, tiny, model, kwargs, message):

@@ -9,9 +9,18 @@ import os
 
 import pytest
 import torch
-from peft import AdaLoraConfig, PeftModel, PrefixTuningConfig, PromptEncoderConfig, PromptTuningConfig, get_peft_model
+from peft import (
+    AdaLoraConfig,
+    LoraConfig,
+    PeftModel,
+    PrefixTuningConfig,
+    PromptEncoderConfig,
+    PromptTuningConfig,
+    TrainableTokensConfig,
+    get_peft_model,
+)
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, TrainingArguments
+from transformers import AutoModelForCausalLM, TrainingArguments, set_seed
 
 from hf_fsdp2 import FSDP2Config, FSDP2Trainer, from_pretrained
 from hf_fsdp2.adapters.methods import check_replayable
@@ -21,10 +30,10 @@ from tests.launch import run
 
 MODEL = "llama"
 NEW = ["prompt_tuning", "prefix_tuning", "p_tuning", "vera"]
-LORA_FAMILY = ["rslora", "all_linear", "ia3", "loha", "lokr"]
+LORA_FAMILY = ["rslora", "all_linear", "ia3", "loha", "lokr", "trainable_tokens"]
 # peft on hf_fsdp2's skeleton and on a real base on every rank (the rank-0 route); DoRA's magnitudes are computed
 # from the base weights, so it needs the real base (its refusal on a skeleton: tests/test_lora.py).
-CASES = [f"skeleton/{m}" for m in NEW + LORA_FAMILY] + [f"object/{m}" for m in NEW + ["dora"]]
+CASES = [f"skeleton/{m}" for m in NEW + LORA_FAMILY] + [f"object/{m}" for m in NEW + ["dora", "trainable_tokens"]]
 PROBE = torch.tensor([[5, 9, 13, 17, 21, 25, 29, 33]])
 TOL = 1e-5
 
@@ -61,6 +70,12 @@ def peft_logits(base: str, folder: str) -> torch.Tensor:
         return model(input_ids=PROBE).logits
 
 
+def peft_trainable(base: str, folder: str) -> dict[str, list[float]]:
+    """The adapter tensors `PeftModel.from_pretrained` loads from `folder`, by the names training gave them."""
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), folder, is_trainable=True)
+    return {name: p.detach().flatten().tolist() for name, p in model.named_parameters() if p.requires_grad}
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_two_ranks_match_plain_trainer_in_one_process(runs, case):
     ref, got = reference_and_run(runs, case)
@@ -83,9 +98,15 @@ def test_checkpoint_is_adapter_only_and_it_and_the_export_load_in_peft(runs, cas
     assert sum(t.numel() for t in stored.values()) < 0.25 * sum(t.numel() for t in base.values()), "no base weight"
     if case.endswith("vera"):  # the shared projections, saved as peft saves them (save_projection=True)
         assert {"base_model.vera_A", "base_model.vera_B"} <= set(stored)
+    if case.endswith("trainable_tokens"):  # the trained rows, under peft's key, equal to one process's
+        key = "base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta"
+        trained = torch.tensor(ref["trainable"][f"{key}.default"]).view(5, 32)
+        assert stored[key].shape == (5, 32) and (stored[key] - trained).abs().max() < TOL
     expected = torch.tensor(ref["logits"])
     for folder in (checkpoint, run_dir):  # the last checkpoint, and the end-of-training export
         assert (peft_logits(runs["model"], folder) - expected).abs().max() < TOL, folder
+        if case.endswith("trainable_tokens"):  # peft reloads the trained rows themselves
+            assert max_diff(ref["trainable"], peft_trainable(runs["model"], folder)) < TOL, folder
 
 
 # ---- fast, single-process --------------------------------------------------------------------------
@@ -134,3 +155,28 @@ def test_prompt_tuning_initialized_from_the_vocabulary_on_a_skeleton_is_refused(
     model.peft_config["default"].prompt_tuning_init = "SAMPLE_VOCAB"
     with pytest.raises(ValueError, match="prompt_tuning_init='SAMPLE_VOCAB' .* meta skeleton"):
         check_replayable(model)
+
+
+TOKEN_CONFIGS = {
+    "lora": lambda: LoraConfig(r=4, target_modules=["q_proj"], trainable_token_indices=[3, 5, 90]),
+    "random_rows": lambda: TrainableTokensConfig(
+        target_modules=["embed_tokens"], token_indices=[3, 5, 90], init_weights=False
+    ),
+}
+
+
+@pytest.mark.parametrize(("model", "method"), [("llama", "lora"), ("llama_tied", "lora"), ("llama", "random_rows")])
+def test_trainable_tokens_on_a_skeleton_start_as_peft_starts_them_on_the_real_base(tmp_path, tiny, model, method):
+    """The rows peft copies from the base embedding (delta and original) are read from the checkpoint, random rows
+    (init_weights=False) are drawn as peft draws them; a replay on the weightless stand-in alone gave zero rows."""
+    set_seed(0)
+    real = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny(model)), TOKEN_CONFIGS[method]())
+    set_seed(0)
+    skeleton = get_peft_model(from_pretrained(tiny(model)), TOKEN_CONFIGS[method]())
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    trainer = FSDP2Trainer(skeleton, args, fsdp2_config=FSDP2Config(consolidate_on_train_end=False))
+    want = {n: t for n, t in [*real.named_parameters(), *real.named_buffers()] if "trainable_tokens" in n}
+    got = {n: t for n, t in [*trainer.model.named_parameters(), *trainer.model.named_buffers()] if n in want}
+    assert len(want) == 2 and want.keys() == got.keys()
+    for name, tensor in got.items():
+        assert torch.equal(tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor, want[name]), name

@@ -76,3 +76,27 @@ def test_a_trainer_that_takes_paths_builds_them_as_skeletons(tiny):
     assert all(p.is_meta for p in skeleton.parameters()) and not any(p.is_meta for p in real.parameters())
     with pytest.raises(RuntimeError, match="built LlamaForSequenceClassification from .*llama in its __init__"):
         check_all_sharded(built)
+
+
+def test_a_path_with_positional_arguments_is_refused_by_name_not_loaded_whole(tmp_path, tiny):
+    """Positional arguments after the path go to the model's __init__; the skeleton is built from keywords, so the
+    call is refused with both fixes instead of loading the whole model on every rank."""
+    from transformers import AutoModelForCausalLM, PreTrainedModel, Trainer, TrainingArguments
+
+    from hf_fsdp2 import FSDP2Mixin
+    from hf_fsdp2.loading.path_models import skeletons_for_paths
+
+    refusal = r"LlamaForCausalLM.from_pretrained\(.*llama', \.\.\.\) was called with 1 positional argument"
+    with skeletons_for_paths(), pytest.raises(ValueError, match=refusal + ".*by keyword.*pass the object"):
+        AutoModelForCausalLM.from_pretrained(tiny("llama"), "extra")
+
+    class BuildsFromPath(Trainer):
+        def __init__(self, model: str | PreTrainedModel, args: TrainingArguments) -> None:
+            super().__init__(AutoModelForCausalLM.from_pretrained(model, "extra"), args)
+
+    class Sharded(FSDP2Mixin, BuildsFromPath):
+        pass
+
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    with pytest.raises(ValueError, match="1 positional argument"):
+        Sharded(tiny("llama"), args)

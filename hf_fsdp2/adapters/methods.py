@@ -16,8 +16,9 @@ from torch import nn
 
 _TUNER_ROOT = "base_model.model"  # where a tuner (LoRA, VeRA, ...) keeps the base model
 # Segments that peft inserts into a base tensor's name: tuner layers keep the base module as `base_layer`,
-# modules_to_save keep the original and one trained copy per adapter.
-_WRAPPER_SEGMENTS = ("base_layer", "original_module")
+# modules_to_save keep the original and one trained copy per adapter, trainable tokens (trainable_token_indices) keep
+# the embedding as `token_adapter.base_layer`.
+_WRAPPER_SEGMENTS = ("base_layer", "original_module", "token_adapter")
 _COPIES_SEGMENT = "modules_to_save"
 # Initializations computed from the base weights: they need the real weights where peft runs.
 _WEIGHT_DEPENDENT_INITS = ("pissa", "olora", "loftq", "eva", "corda")

@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from ..adapters.methods import active_adapter, base_name, untracked_trainable
 from ..adapters.nf4 import is_nf4
+from ..adapters.trainable_tokens import token_layers
 from ..distributed import is_rank0, warn_rank0
 from ..loading.facts import facts_of
 from ..loading.weights import copy_full_into
@@ -202,7 +203,8 @@ def check_mergeable(model: nn.Module) -> tuple[str, dict[str, nn.Module]]:
     by base-weight name. Run it before training too, so a bad combination fails before the run, not after.
 
     Raises:
-        ValueError: when not exactly one adapter is active, it is not plain LoRA, or it targets a tied weight.
+        ValueError: when not exactly one adapter is active, it is not plain LoRA, it trains token rows, or it targets
+            a tied weight.
     """
     from peft.tuners.lora import LoraLayer
 
@@ -220,6 +222,17 @@ def check_mergeable(model: nn.Module) -> tuple[str, dict[str, nn.Module]]:
     }
     for module in layers.values():
         _check_variant(module, adapter)
+    tokens = [
+        name.removesuffix(".token_adapter")
+        for name, layer in token_layers(model).items()
+        if adapter in layer.token_indices
+    ]
+    if tokens:
+        raise ValueError(
+            f"adapter {adapter!r} trains rows of {tokens[0]} (trainable_token_indices), which "
+            "merge_adapters_on_save does not merge. Save the adapter (the default) and merge with "
+            "PeftModel.from_pretrained(base, folder).merge_and_unload() on one process."
+        )
     for names in facts_of(model).tie_groups:
         merged_tied = [n for n in names if n in layers]
         if merged_tied:

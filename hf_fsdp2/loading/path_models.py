@@ -2,7 +2,8 @@
 its trainers pass `model_init_kwargs`, DPO and KTO build their reference model): while the subclass's `__init__`
 runs, `from_pretrained(path, ...)` of any transformers model class builds our meta skeleton of exactly that call
 instead of reading the weights, so the model the subclass asked for is what gets sharded and each rank reads only
-its slices.
+its slices. A call with positional arguments after the path is refused by name (the skeleton is built from keywords;
+loading it as called would put the whole model on every rank).
 
 It knows nothing of trainers: the mixin opens the window around the subclass's `__init__` and closes it around its
 own loading.
@@ -64,14 +65,33 @@ def _intercept(original: Any) -> Any:
     """The from_pretrained that builds a skeleton for a path while a window is open and not suspended."""
 
     def build(cls: type, path: Any, *args: Any, **kwargs: Any) -> Any:
-        if _state["built"] is None or _state["suspended"] or args or not isinstance(path, (str, os.PathLike)):
+        if _state["built"] is None or _state["suspended"] or not isinstance(path, (str, os.PathLike)):
             return original(cls, path, *args, **kwargs)
+        check_no_positional(cls, path, args)
         kwargs = {k: v for k, v in kwargs.items() if k not in PLACEMENT_KWARGS}
         skeleton = from_pretrained(path, cls, **kwargs)
         _state["built"].append(skeleton)
         return skeleton
 
     return build
+
+
+def check_no_positional(cls: type, path: Any, args: tuple[Any, ...]) -> None:
+    """Refuse positional arguments after the path: the skeleton is built from keywords, and handing the call to
+    transformers instead would load the whole model on every rank without a word.
+
+    Raises:
+        ValueError: naming the class, the path and how many positional arguments came, with the two fixes.
+    """
+    if args:
+        raise ValueError(
+            f"{cls.__name__}.from_pretrained({os.fspath(path)!r}, ...) was called with {len(args)} positional "
+            "argument(s) after the path while the trainer was being built. hf_fsdp2 builds a path's model as a meta "
+            "skeleton that each rank fills with its own slices, from keyword arguments only; loading it as called "
+            "would put the whole model on every rank. Pass those arguments by keyword (from_pretrained hands "
+            "keywords that are not config fields to the model's __init__), or load the model yourself and pass "
+            "the object to the trainer (rank 0's weights are then sent to the others)."
+        )
 
 
 def check_all_sharded(built: list[nn.Module]) -> None:

@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..adapters.methods import base_name, replay_adapters, replayed_adapter_values
 from ..adapters.nf4 import global_mean_absmax, is_nf4, nf4_from_rows
+from ..adapters.trainable_tokens import checkpoint_row_reader, initial_token_values
 from ..distributed import (
     broadcast_from_rank0,
     first_on_any_rank,
@@ -204,6 +205,8 @@ def initial_values(model: nn.Module, plan: SafetensorsPlan, state: torch.Tensor)
     for name, _ in [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]:
         if base_name(name, root) in base_values and not facts.is_adapter(name):
             values[name] = base_values[base_name(name, root)]
+    # peft copies the base rows of trainable_token_indices; the replay read zeros there, the checkpoint has them.
+    values.update(initial_token_values(model, checkpoint_row_reader(source.path, plan.keys)))
     # Adapters with values (e.g. loaded by PeftModel.from_pretrained) are rank 0's on every rank.
     values.update(broadcast_from_rank0(given) if given else {})
     return values

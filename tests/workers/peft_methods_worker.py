@@ -50,6 +50,8 @@ METHODS: dict[str, Callable[[], PeftConfig]] = {
     "ia3": lambda: IA3Config(target_modules=["k_proj", "v_proj", "down_proj"], feedforward_modules=["down_proj"]),
     "loha": lambda: LoHaConfig(r=4, target_modules=["q_proj", "v_proj"]),
     "lokr": lambda: LoKrConfig(r=4, target_modules=["q_proj", "v_proj"]),
+    # Five embedding rows trained (3 and 2 per rank at 2 ranks), started from the base rows.
+    "trainable_tokens": lambda: LoraConfig(r=4, target_modules=["q_proj"], trainable_token_indices=[3, 5, 7, 40, 90]),
 }
 
 
