@@ -56,6 +56,7 @@ from .path_models import PLACEMENT_KWARGS, check_all_sharded, loading_for_real, 
 from .preemption import PreemptionCallback, PreemptionWatcher
 from .resume import find_resume_checkpoint
 from .sequence_parallel import SequenceParallel, check_model
+from .sharding import reshard_all
 from .skeleton import from_pretrained
 from .trainer_checkpoint import CheckpointMixin, _consolidate_callback
 from .trainer_resume import ResumeMixin
@@ -110,6 +111,9 @@ class FSDP2Mixin(ShardingMixin, StepMixin, CheckpointMixin, ResumeMixin):
         with skeletons_for_paths() if builds_own else contextlib.nullcontext([]) as built:
             super().__init__(*bound.args, **bound.kwargs)
         check_all_sharded(built)
+        # NOTE: a no-grad forward in a subclass's __init__ (TRL's precomputed reference log-probs) leaves the root
+        # unit gathered: its parameters would read as plain tensors, not the DTensors training updates.
+        reshard_all(self.model)
         self.is_distributed_loading_by_transformers = True
         if self.fsdp2_config.sequence_parallel_size > 1:
             _check_sequence_parallel_trainer(self)
@@ -169,6 +173,14 @@ class FSDP2Mixin(ShardingMixin, StepMixin, CheckpointMixin, ResumeMixin):
             log_memory_plan(self.model, self.args, self.fsdp2_config, self.train_dataset, optim)
         with self._preemption.watching():
             return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        """Trainer's evaluate(), with every unit resharded after: its no-grad forwards leave the root gathered, so
+        `trainer.model`'s parameters are the sharded DTensors again (and the gathered copy is freed)."""
+        try:
+            return super().evaluate(*args, **kwargs)
+        finally:
+            reshard_all(self.model)
 
     def _shard(self, model: nn.Module) -> nn.Module:
         """Check, then shard `model` and load its weights; remember parameter names to re-point an optimizer."""

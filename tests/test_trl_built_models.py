@@ -69,6 +69,8 @@ def test_precompute_cache_is_named_as_one_process_names_it(built_runs, scenario)
     assert len(ours["cache_hash"]) == 64 and ours["cache_hash"] == one_process["cache_hash"]
     if scenario == "dpo_precompute_ref":  # the separate reference's hash, not the policy's
         assert ours["cache_hash"] != built_runs["plain-1"]["dpo_precompute"]["cache_hash"]
+    # The precompute's no-grad forwards ran in __init__; the policy is handed back sharded all the same.
+    assert ours["fsdp2_only"]["parameter_types_after_init"] == ["DTensor"]
 
 
 def test_trl_refusal_of_an_iterable_dataset_with_precompute_reaches_the_user(built_runs):

@@ -218,13 +218,18 @@ def precomputed(name: str, ref_model: Any = None, trainer_class: type | None = N
     trainer = trainer_class(LLAMA, ref_model, args=config, train_dataset=dataset, processing_class=tiny_tokenizer())
     columns = [c for c in trainer.train_dataset.column_names if c.startswith("ref_") or c == "reference_logps"]
     reference = {c: list(trainer.train_dataset[c]) for c in columns}
+    # TRL's own tests copy the parameters right after construction, to compare them after training.
+    kinds = sorted({type(p).__name__ for p in trainer.model.parameters()})
     trainer.train()
-    return {
+    result = {
         "cache_hash": trainer._precompute_model_hash,
         "reference_logps": reference,
         "losses": losses(trainer),
         "weights": full_weights(trainer.model),
     }
+    if MODE == "fsdp2":
+        result["fsdp2_only"] = {"parameter_types_after_init": kinds}
+    return result
 
 
 def on_disk(dataset: Dataset, directory: str) -> Dataset:
