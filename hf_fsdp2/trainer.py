@@ -17,6 +17,8 @@ knows Trainer/Accelerate internals; each part lists the private hooks it touches
 - `model_accepts_loss_kwargs`: cleared when the model's loss ignores `num_items_in_batch`, else
   Trainer multiplies such losses by the world size (tests/test_parity.py classification); set when a model marked
   `accepts_loss_kwargs = False` still hands **kwargs to its `loss_function` (tests/test_vlm.py qwen2_5_vl).
+- `evaluate` (and the end of `__init__`) reshard every unit: no-grad forwards leave the root gathered, and TRL's
+  precomputed reference log-probs run them in `__init__` (tests/test_trl_built_models.py dpo_precompute).
 - `train` resolves `resume_from_checkpoint="auto"`, logs the memory plan once, and handles the preemption signals
   while it runs (`preemption.PreemptionWatcher`); a callback's `on_step_end` turns an agreed stop into
   `control.should_save`, and `_save_checkpoint` then writes that step synchronously and raises `Preempted`
