@@ -8,6 +8,11 @@ path is built by TRL itself, in the class and configuration it asks for (RewardT
 `model_init_kwargs`), as our meta skeleton: each rank reads only its slices (`hf_fsdp2.loading.path_models`).
 GRPO's generation goes through the sharded model's `generate`, which gathers every unit once per call
 (`hf_fsdp2.gathered`).
+
+TRL internals touched: `hash_module` in `trl.trainer.dpo_trainer` and `trl.trainer.kto_trainer` (patched while
+`FSDP2DPOTrainer`/`FSDP2KTOTrainer.__init__` runs), which names the cache of precomputed reference log-probs from the
+weights; ours hashes the gathered full weights instead of failing on DTensors (tests/test_trl_built_models.py
+dpo_precompute*, kto_precompute).
 """
 
 from __future__ import annotations
@@ -17,6 +22,18 @@ try:
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError("hf_fsdp2.trl needs TRL, which is an optional extra: pip install 'hf_fsdp2[trl]'") from error
 
+import contextlib
+import hashlib
+from collections.abc import Iterator
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from trl.trainer import dpo_trainer, kto_trainer
+
+from .loading.facts import attached_facts
 from .trainer.mixin import FSDP2Mixin
 
 __all__ = [
@@ -33,11 +50,50 @@ class FSDP2SFTTrainer(FSDP2Mixin, SFTTrainer):
     """`trl.SFTTrainer` whose model (with its `peft_config` adapters) is sharded with FSDP2."""
 
 
+def full_weights_hash(module: nn.Module) -> str:
+    """TRL's `hash_module` of the unsharded model: the same sha256, from each full tensor gathered in turn.
+
+    TRL names the cache of precomputed reference log-probs with it; one process and N ranks share one name. Trainable
+    weights upcast to float32 masters are hashed in the dtype they were loaded in, as one process holds them.
+
+    NOTE: collective for a sharded module (one all-gather per sharded tensor, in sorted name order on every rank);
+    TRL calls it in `__init__`, which every rank runs.
+    """
+    facts = attached_facts(module)
+    upcast = facts.upcast_from if facts is not None else {}
+    digest = hashlib.sha256()
+    for name, tensor in sorted(module.state_dict().items()):
+        if isinstance(tensor, DTensor):
+            tensor = tensor.full_tensor()
+        tensor = tensor.detach().cpu().to(upcast.get(name, tensor.dtype))
+        digest.update(str(tensor.dtype).encode())
+        if tensor.dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2):
+            tensor = tensor.to(torch.float32)  # as TRL: numpy has no such dtypes
+        digest.update(tensor.numpy().tobytes())
+    return digest.hexdigest()
+
+
+@contextlib.contextmanager
+def _hashing_full_weights(trainer_module: ModuleType) -> Iterator[None]:
+    """Make a TRL trainer module's `hash_module` hash full weights while its trainer is built."""
+    original = trainer_module.hash_module
+    trainer_module.hash_module = full_weights_hash
+    try:
+        yield
+    finally:
+        trainer_module.hash_module = original
+
+
 class FSDP2DPOTrainer(FSDP2Mixin, DPOTrainer):
     """`trl.DPOTrainer` whose policy and reference models are sharded with FSDP2.
 
-    With a PEFT policy there is no separate reference model: TRL disables the adapters to get it.
+    With a PEFT policy there is no separate reference model: TRL disables the adapters to get it. With
+    `precompute_ref_log_probs=True` the cache is named from the full weights, as in one process.
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        with _hashing_full_weights(dpo_trainer):
+            super().__init__(*args, **kwargs)
 
 
 class FSDP2KTOTrainer(FSDP2Mixin, KTOTrainer):
@@ -45,6 +101,10 @@ class FSDP2KTOTrainer(FSDP2Mixin, KTOTrainer):
 
     KTO's KL term pairs each rank's own rows, so at N ranks it trains as TRL does under DDP at N ranks.
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        with _hashing_full_weights(kto_trainer):
+            super().__init__(*args, **kwargs)
 
 
 class FSDP2RewardTrainer(FSDP2Mixin, RewardTrainer):

@@ -76,3 +76,31 @@ def test_online_dpo_through_the_mixin_raises_the_score_at_two_ranks(grpo):
     assert len(scores) == 20
     first, last = sum(scores[:5]) / 5, sum(scores[-5:]) / 5
     assert first < 0.65 and last > 0.85, scores  # random ~0.47, learned 1.0
+
+
+@pytest.fixture(scope="module")
+def reward_models(tmp_path_factory, tiny) -> dict[str, dict]:
+    """GRPO given a reward model's path and RLOO given the model object: one process with TRL's own classes, ours at
+    world size 1 and at 2 ranks."""
+    out = tmp_path_factory.mktemp("grpo_reward_models")
+    scenarios = ["reward_model_grpo", "reward_model_rloo", "--reward-checkpoint", tiny("llama_reward")]
+    run("grpo_worker.py", 0, "plain", str(out), tiny("llama"), *scenarios, timeout=600)
+    run("grpo_worker.py", 0, "fsdp2", str(out), tiny("llama"), *scenarios, timeout=600)
+    run("grpo_worker.py", 2, "fsdp2", str(out), tiny("llama"), *scenarios, timeout=600)
+    return load_runs(out, "plain-1", "fsdp2-1", "fsdp2-2")
+
+
+@pytest.mark.parametrize("run_name", ["fsdp2-1", "fsdp2-2"])
+@pytest.mark.parametrize("scenario", ["reward_model_grpo", "reward_model_rloo"])
+def test_reward_models_score_what_trl_scores(reward_models, scenario, run_name):
+    """TRL scores reward models under torch.inference_mode(): sharded, ours score the same 8 completions."""
+    ours, theirs = _ok(reward_models[run_name][scenario]), _ok(reward_models["plain-1"][scenario])
+    assert ours["fsdp2_only"] == {"sharded": True, "trainable": 0}
+    assert len(ours["scores"]) == 8 and any(row[0] != 0 for row in theirs["scores"])
+    # fp32; rows are scored whole on every rank from the same gathered weights, so only kernel order may differ.
+    pairs = [
+        pair for row, ref in zip(ours["scores"], theirs["scores"], strict=True) for pair in zip(row, ref, strict=True)
+    ]
+    diff = max(abs(a - b) for a, b in pairs)
+    assert diff <= 1e-6
+    assert all(r == r for r in ours["step_rewards"])  # TRL's own training step scored (not NaN) with the model

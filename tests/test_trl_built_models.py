@@ -1,7 +1,9 @@
 """TRL trainers that build their model from a path themselves, through hf_fsdp2: TRL's RewardTrainer given a causal
 LM's path (its documented usage: it builds a num_labels=1 classifier) or a reward checkpoint's path, and KTOTrainer,
 whose reference model TRL builds too. The model TRL asked for is what gets sharded: 2 ranks give the per-step losses
-and weights of plain one-process TRL (KTO: of TRL under DDP at 2 ranks, since its KL term pairs each rank's rows)."""
+and weights of plain one-process TRL (KTO: of TRL under DDP at 2 ranks, since its KL term pairs each rank's rows).
+DPO and KTO with precompute_ref_log_probs=True: the cache is named with one process's hash of the weights, the
+precomputed reference log-probs and the training match, and TRL's own refusal of an IterableDataset comes through."""
 
 from __future__ import annotations
 
@@ -16,14 +18,26 @@ pytest.importorskip("trl")
 
 REWARD = ["reward_causal_path", "reward_seqcls_path"]
 # The run each scenario must equal: one process, or DDP at 2 ranks where the method itself depends on the ranks.
-REFERENCE = {"reward_causal_path": "plain-1", "reward_seqcls_path": "plain-1", "kto_full": "plain-2"}
+REFERENCE = {
+    "reward_causal_path": "plain-1",
+    "reward_seqcls_path": "plain-1",
+    "kto_full": "plain-2",
+    "dpo_precompute": "plain-1",
+    "dpo_precompute_ref": "plain-1",
+    "dpo_precompute_iterable": "plain-1",
+    "kto_precompute": "plain-2",
+}
+ONE_PROCESS = [name for name, reference in REFERENCE.items() if reference == "plain-1"]
+DDP = [name for name, reference in REFERENCE.items() if reference == "plain-2"]
 
 
 @pytest.fixture(scope="module")
 def built_runs(tmp_path_factory: pytest.TempPathFactory, tiny) -> dict[str, dict[str, Any]]:
     out = tmp_path_factory.mktemp("trl_built")
     checkpoint = ["--reward-checkpoint", tiny("llama_reward")]
-    for mode, nproc, scenarios in (("plain", 0, REWARD), ("plain", 2, ["kto_full"]), ("fsdp2", 2, list(REFERENCE))):
+    # kto_precompute runs in one process too: its cache must carry one process's hash.
+    runs = (("plain", 0, [*ONE_PROCESS, "kto_precompute"]), ("plain", 2, DDP), ("fsdp2", 2, list(REFERENCE)))
+    for mode, nproc, scenarios in runs:
         run("trl_worker.py", nproc, mode, str(out), tiny("llama"), *scenarios, *checkpoint, timeout=900)
     return load_runs(out, "plain-1", "plain-2", "fsdp2-2")
 
@@ -46,6 +60,22 @@ def test_reward_model_is_the_classifier_trl_builds(built_runs, scenario):
     # built as our skeleton of TRL's call, so each rank read only its slices of the checkpoint
     assert built_runs["fsdp2-2"][scenario]["fsdp2_only"]["read_by_slices"]
     assert model == built_runs["plain-1"][scenario]["model"]
+
+
+@pytest.mark.parametrize("scenario", ["dpo_precompute", "dpo_precompute_ref", "kto_precompute"])
+def test_precompute_cache_is_named_as_one_process_names_it(built_runs, scenario):
+    """TRL hashes the weights it precomputes with (the separate reference, else the policy) to name its cache."""
+    ours, one_process = built_runs["fsdp2-2"][scenario], built_runs["plain-1"][scenario]
+    assert len(ours["cache_hash"]) == 64 and ours["cache_hash"] == one_process["cache_hash"]
+    if scenario == "dpo_precompute_ref":  # the separate reference's hash, not the policy's
+        assert ours["cache_hash"] != built_runs["plain-1"]["dpo_precompute"]["cache_hash"]
+    # The precompute's no-grad forwards ran in __init__; the policy is handed back sharded all the same.
+    assert ours["fsdp2_only"]["parameter_types_after_init"] == ["DTensor"]
+
+
+def test_trl_refusal_of_an_iterable_dataset_with_precompute_reaches_the_user(built_runs):
+    message = built_runs["fsdp2-2"]["dpo_precompute_iterable"]["error_message"]
+    assert message.startswith("`precompute_ref_log_probs=True` is not supported with IterableDataset")
 
 
 def test_kto_reference_model_is_sharded_frozen(built_runs):

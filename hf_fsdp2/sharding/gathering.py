@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from ..adapters.nf4 import NF4_BYTES_PER_ELEMENT, is_nf4
+from .inference_mode import outside_inference_mode
 
 
 @contextlib.contextmanager
@@ -39,13 +40,15 @@ def gathered(model: nn.Module) -> Iterator[nn.Module]:
             unit.set_reshard_after_forward(False, recurse=False)
         # NOTE: one unit at a time: issuing every all-gather first (async) was no faster over gloo (measured) and
         # holds every unit's all-gather buffer beside the gathered parameters.
-        for unit in units:
-            unit.unshard()
+        with outside_inference_mode():  # the gathered buffers outlive the block (inference_mode.py)
+            for unit in units:
+                unit.unshard()
         yield model
     finally:
-        for unit, setting in zip(units, saved, strict=True):
-            unit.reshard()
-            _restore_reshard_setting(unit, setting)
+        with outside_inference_mode():
+            for unit, setting in zip(units, saved, strict=True):
+                unit.reshard()
+                _restore_reshard_setting(unit, setting)
         setattr(model, _ACTIVE, False)
 
 

@@ -28,6 +28,7 @@ from ..loading.branches import branch_names, inside_branch
 from ..loading.facts import facts_of
 from ..loading.skeleton import set_tensor
 from .comm_buffers import pool_comm_buffers
+from .inference_mode import allow_inference_mode
 
 
 def block_classes(model: nn.Module, config: FSDP2Config) -> list[str]:
@@ -259,6 +260,7 @@ def shard_model(
     # root: keep them gathered until backward (measured: the 12-layer benchmark's steps were 1.2x slower).
     # A model with nothing to train (a DPO reference) never runs backward, so its root reshards at once.
     fully_shard(model, **{**kwargs, "reshard_after_forward": None if trains else True})
+    allow_inference_mode(model)  # TRL scores reward models under torch.inference_mode()
     if mesh.device_type == "cpu":
         # Measured (1.2B Llama, 2 CPU ranks, one profiled step each): page faults 36-42 -> 24-28 GiB per rank
         # per step, copy_ 15.9 -> 9.8 s and cat 2.5 -> 0.5 s of CPU time; see sharding/comm_buffers.py.

@@ -17,6 +17,8 @@ knows Trainer/Accelerate internals; each part lists the private hooks it touches
 - `model_accepts_loss_kwargs`: cleared when the model's loss ignores `num_items_in_batch`, else
   Trainer multiplies such losses by the world size (tests/test_parity.py classification); set when a model marked
   `accepts_loss_kwargs = False` still hands **kwargs to its `loss_function` (tests/test_vlm.py qwen2_5_vl).
+- `evaluate` (and the end of `__init__`) reshard every unit: no-grad forwards leave the root gathered, and TRL's
+  precomputed reference log-probs run them in `__init__` (tests/test_trl_built_models.py dpo_precompute).
 - `train` resolves `resume_from_checkpoint="auto"`, logs the memory plan once, and handles the preemption signals
   while it runs (`preemption.PreemptionWatcher`); a callback's `on_step_end` turns an agreed stop into
   `control.should_save`, and `_save_checkpoint` then writes that step synchronously and raises `Preempted`
@@ -54,6 +56,7 @@ from ..model import prepare_model
 from ..optim.muon_routing import Muon
 from ..optim.verdicts import adapt_optimizer
 from ..planning.memory_plan import log_memory_plan
+from ..sharding.units import reshard_all
 from .callbacks import ConsolidateCallback
 from .checkpointing import CheckpointMixin, _consolidate_callback
 from .from_accelerate import resolve_config
@@ -110,6 +113,9 @@ class FSDP2Mixin(ShardingMixin, StepMixin, CheckpointMixin, ResumeMixin):
         with skeletons_for_paths() if builds_own else contextlib.nullcontext([]) as built:
             super().__init__(*bound.args, **bound.kwargs)
         check_all_sharded(built)
+        # NOTE: a no-grad forward in a subclass's __init__ (TRL's precomputed reference log-probs) leaves the root
+        # unit gathered: its parameters would read as plain tensors, not the DTensors training updates.
+        reshard_all(self.model)
         self.is_distributed_loading_by_transformers = True
         if self.fsdp2_config.sequence_parallel_size > 1:
             _check_sequence_parallel_trainer(self)
@@ -169,6 +175,14 @@ class FSDP2Mixin(ShardingMixin, StepMixin, CheckpointMixin, ResumeMixin):
             log_memory_plan(self.model, self.args, self.fsdp2_config, self.train_dataset, optim)
         with self._preemption.watching():
             return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        """Trainer's evaluate(), with every unit resharded after: its no-grad forwards leave the root gathered, so
+        `trainer.model`'s parameters are the sharded DTensors again (and the gathered copy is freed)."""
+        try:
+            return super().evaluate(*args, **kwargs)
+        finally:
+            reshard_all(self.model)
 
     def _shard(self, model: nn.Module) -> nn.Module:
         """Check, then shard `model` and load its weights; remember parameter names to re-point an optimizer."""

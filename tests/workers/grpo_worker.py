@@ -1,6 +1,7 @@
 """TRL GRPO (online RL) as people write it, with FSDP2GRPOTrainer, on a learnable toy task.
 
-Usage: grpo_worker.py {plain,fsdp2} OUT MODEL [SCENARIO ...]; rank 0 writes OUT/{MODE}-{WORLD}.json.
+Usage: grpo_worker.py {plain,fsdp2} OUT MODEL [SCENARIO ...] [--reward-checkpoint PATH]; rank 0 writes
+OUT/{MODE}-{WORLD}.json.
 The task: prompts of two tokens; the reward is the share of completion tokens from the lower half of the
 vocabulary (t3..t47): about 0.47 for a random model, 1.0 once learned.
 """
@@ -21,6 +22,12 @@ from tests.tiny_models import tiny_tokenizer
 from tests.workers.scenarios import run_scenarios
 
 MODE, OUT, MODEL = sys.argv[1:4]
+CHOSEN = sys.argv[4:]
+REWARD_CHECKPOINT = ""
+if "--reward-checkpoint" in CHOSEN:
+    at = CHOSEN.index("--reward-checkpoint")
+    REWARD_CHECKPOINT = CHOSEN[at + 1]
+    del CHOSEN[at : at + 2]
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
 RUN_DIR = os.path.join(OUT, f"{MODE}-{WORLD}")
 GLOBAL_BATCH = 8  # completions per step: 2 prompts x 4 generations
@@ -133,6 +140,50 @@ def logps() -> dict[str, Any]:
     return {"logps": values.float().tolist()}
 
 
+def scored_by_reward_models(kind: str) -> dict[str, Any]:
+    """TRL's own `_calculate_rewards` with reward models (`kind`: GRPO given the checkpoint's path, RLOO given the
+    model object) beside a function, on fixed completions: each rank scores its contiguous slice and TRL gathers
+    them in rank order, so every world size scores the same 8 texts. Then one training step, in which the reward
+    models' first forward runs under TRL's torch.inference_mode()."""
+    from transformers import AutoModelForSequenceClassification
+    from trl import RLOOConfig, RLOOTrainer
+
+    from hf_fsdp2.trl import FSDP2GRPOTrainer, FSDP2RLOOTrainer
+
+    plain, ours, config_class = (GRPOTrainer, FSDP2GRPOTrainer, GRPOConfig) if kind == "grpo" else (
+        RLOOTrainer, FSDP2RLOOTrainer, RLOOConfig)  # fmt: skip
+    scorer = REWARD_CHECKPOINT if kind == "grpo" else AutoModelForSequenceClassification.from_pretrained(
+        REWARD_CHECKPOINT, num_labels=1)  # fmt: skip
+    tokenizer = tiny_tokenizer()
+    kwargs = dict(
+        model=MODEL, reward_funcs=[scorer, reward_low_half], reward_processing_classes=[tokenizer, None],
+        train_dataset=prompts(), processing_class=tokenizer, args=config(f"scored_{kind}", config_class, max_steps=1),
+    )  # fmt: skip
+    if MODE == "plain":
+        run = plain(**kwargs)
+    else:
+        from hf_fsdp2 import FSDP2Config
+
+        run = ours(fsdp2_config=FSDP2Config(consolidate_on_train_end=False, checkpoint_on_signals=[]), **kwargs)
+    run.train()  # first: TRL's own step, under its inference_mode
+    texts = [f"t{5 + i} t{6 + i}" for i in range(8)], [" " + " ".join(f"t{(7 * i + j) % 90 + 3}" for j in range(
+        2 + i % 5)) for i in range(8)]  # fmt: skip
+    rank, share = int(os.environ.get("RANK", "0")), 8 // WORLD
+    mine = slice(rank * share, (rank + 1) * share)
+    prompts_, completions = texts[0][mine], texts[1][mine]
+    inputs = [{"prompt": p} for p in prompts_]
+    scores = run._calculate_rewards(inputs, prompts_, completions, [[0]] * len(prompts_))
+    model = run.reward_funcs[0]
+    return {
+        "scores": scores.float().tolist(),  # 8 rows x (reward model, function)
+        "step_rewards": [h[k] for h in run.state.log_history for k in h if k.startswith("rewards/") and "mean" in k],
+        "fsdp2_only": {
+            "sharded": isinstance(model, FSDPModule),
+            "trainable": sum(p.requires_grad for p in model.parameters()),
+        },  # fmt: skip
+    }
+
+
 def rloo() -> dict[str, Any]:
     """RLOO through the mixin (FSDP2RLOOTrainer), the same task: its reward rises too."""
     from trl import RLOOConfig, RLOOTrainer
@@ -184,9 +235,11 @@ def online_dpo() -> dict[str, Any]:
 SCENARIOS = {
     **{"full": full, "lora": lora, "resume": resume, "reference": reference, "logps": logps, "rloo": rloo},
     "online_dpo": online_dpo,
+    "reward_model_grpo": lambda: scored_by_reward_models("grpo"),
+    "reward_model_rloo": lambda: scored_by_reward_models("rloo"),
 }
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
     os.makedirs(RUN_DIR, exist_ok=True)
-    run_scenarios(SCENARIOS, sys.argv[4:], f"{RUN_DIR}.json")
+    run_scenarios(SCENARIOS, CHOSEN, f"{RUN_DIR}.json")

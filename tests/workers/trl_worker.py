@@ -203,6 +203,79 @@ def dpo_lora() -> dict[str, Any]:
     return {"losses": losses(trainer), "adapters": full_weights(trainer.model, trainable_only=True)}
 
 
+def precomputed(name: str, ref_model: Any = None, trainer_class: type | None = None, **data: Any) -> dict[str, Any]:
+    """DPO (or KTO) with precompute_ref_log_probs=True: TRL names the cache from the hash of the weights it scores
+    with (the reference given, else the policy's), then reads the reference log-probs from the dataset."""
+    if trainer_class is None:
+        trainer_class, config_class, dataset = DPO, DPOConfig, dpo_data()
+    else:
+        config_class, dataset = KTOConfig, kto_data()
+    config = config_class(
+        **{**common(name), "bf16": False, "gradient_checkpointing": False, "max_length": 32},
+        precompute_ref_log_probs=True,
+    )
+    dataset = data.get("dataset") or on_disk(dataset, os.path.join(OUT, f"{name}-{WORLD}-data"))
+    trainer = trainer_class(LLAMA, ref_model, args=config, train_dataset=dataset, processing_class=tiny_tokenizer())
+    columns = [c for c in trainer.train_dataset.column_names if c.startswith("ref_") or c == "reference_logps"]
+    reference = {c: list(trainer.train_dataset[c]) for c in columns}
+    # TRL's own tests copy the parameters right after construction, to compare them after training.
+    kinds = sorted({type(p).__name__ for p in trainer.model.parameters()})
+    trainer.train()
+    result = {
+        "cache_hash": trainer._precompute_model_hash,
+        "reference_logps": reference,
+        "losses": losses(trainer),
+        "weights": full_weights(trainer.model),
+    }
+    if MODE == "fsdp2":
+        result["fsdp2_only"] = {"parameter_types_after_init": kinds}
+    return result
+
+
+def on_disk(dataset: Dataset, directory: str) -> Dataset:
+    """The dataset saved by rank 0 and read back by every rank: TRL writes the cache beside the dataset's files, and
+    an in-memory dataset's are in each process's own temporary folder, where the other ranks cannot find them."""
+    import torch.distributed as dist
+    from datasets import load_from_disk
+
+    if WORLD > 1 and not dist.is_initialized():
+        dist.init_process_group("gloo")
+    if RANK == 0:
+        dataset.save_to_disk(directory)
+    if WORLD > 1:
+        dist.barrier()
+    return load_from_disk(directory)
+
+
+def perturbed_reference() -> Any:
+    """A separate reference model: the tiny Llama with its final norm scaled, so its log-probs differ."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(LLAMA)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(1.5)
+    return model
+
+
+def dpo_precompute() -> dict[str, Any]:
+    """No reference model: TRL hashes the policy's weights, precomputes with the policy before training."""
+    return precomputed("dpo_precompute")
+
+
+def dpo_precompute_ref() -> dict[str, Any]:
+    """A separate reference model, hashed before it is sharded."""
+    return precomputed("dpo_precompute_ref", perturbed_reference())
+
+
+def dpo_precompute_iterable() -> dict[str, Any]:
+    """TRL refuses an IterableDataset with precompute: its own message must reach the user."""
+    try:
+        precomputed("dpo_precompute_iterable", dataset=dpo_data().to_iterable_dataset())
+    except ValueError as error:
+        return {"error_message": str(error)}
+    return {"error_message": None}
+
+
 def preference_data(n: int = 32) -> Dataset:
     """Implicit-prompt preference pairs, as RewardTrainer takes them."""
     g = torch.Generator().manual_seed(2)
@@ -263,13 +336,22 @@ def kto_full() -> dict[str, Any]:
     return result
 
 
+def kto_precompute() -> dict[str, Any]:
+    """KTO with precompute_ref_log_probs=True and no reference model (TRL then keeps none)."""
+    return precomputed("kto_precompute", trainer_class=KTO)
+
+
 SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {
     f.__name__: f for f in (sft_full, sft_lora, sft_lora_object, sft_defaults, dpo_full, dpo_lora)
 }
 # Trainers that build their model from a path themselves (tests/test_trl_built_models.py names them).
 BUILT_BY_TRL: dict[str, Callable[[], dict[str, Any]]] = {
-    f.__name__: f for f in (reward_causal_path, reward_seqcls_path, kto_full)
+    f.__name__: f for f in (reward_causal_path, reward_seqcls_path, kto_full, kto_precompute)
+}
+# Precomputed reference log-probs (tests/test_trl_built_models.py names them too).
+PRECOMPUTE: dict[str, Callable[[], dict[str, Any]]] = {
+    f.__name__: f for f in (dpo_precompute, dpo_precompute_ref, dpo_precompute_iterable)
 }
 
 if __name__ == "__main__":
-    run_scenarios({**SCENARIOS, **BUILT_BY_TRL}, CHOSEN or list(SCENARIOS), f"{RUN_DIR}.json")
+    run_scenarios({**SCENARIOS, **BUILT_BY_TRL, **PRECOMPUTE}, CHOSEN or list(SCENARIOS), f"{RUN_DIR}.json")
