@@ -103,7 +103,7 @@ def test_a_trainer_that_computes_its_own_loss_is_not_chunked():
     from transformers import Trainer
 
     from hf_fsdp2 import FSDP2Mixin, FSDP2Trainer
-    from hf_fsdp2.trainer.mixin import _own_compute_loss
+    from hf_fsdp2.trainer.step import _own_compute_loss
 
     class Metrics(FSDP2Trainer):
         def compute_loss(self, *args, **kwargs):

@@ -10,7 +10,8 @@ from transformers import TrainingArguments
 
 from hf_fsdp2 import FSDP2Config
 from hf_fsdp2.distributed import _release_mesh_groups
-from hf_fsdp2.trainer.mixin import _loss_uses_num_items, _validate_args, _validate_training_args, repoint_optimizer
+from hf_fsdp2.trainer.sharding import validate_arguments, validate_training_args
+from hf_fsdp2.trainer.step import _loss_uses_num_items, repoint_optimizer
 from tests.launch import load_result, run, run_batch
 
 
@@ -29,13 +30,13 @@ def args(**kwargs) -> TrainingArguments:
 
 def test_a_trainer_without_model_or_model_init_is_refused():
     with pytest.raises(ValueError, match="FSDP2Trainer needs `model`"):
-        _validate_args(None, {})
-    _validate_args(None, {"model_init": lambda: None})  # model_init alone is enough
+        validate_arguments(None, {})
+    validate_arguments(None, {"model_init": lambda: None})  # model_init alone is enough
 
 
 def test_activation_checkpointing_twice_is_refused():
     with pytest.raises(ValueError, match="keep only FSDP2Config's"):
-        _validate_training_args(args(activation_checkpointing=True), FSDP2Config(fsdp_activation_checkpointing=True))
+        validate_training_args(args(activation_checkpointing=True), FSDP2Config(fsdp_activation_checkpointing=True))
 
 
 def test_an_optimizer_over_foreign_parameters_is_refused(tiny):

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -39,17 +39,47 @@ from ..checkpoints.sharded import (
     wait_for_writes,
     write_parts,
 )
-from ..config import FSDP2Config
 from ..distributed import is_rank0, log_rank0
 from ..export.live import save_pretrained_sharded, write_model_files
 from ..loading.facts import facts_of
 from .callbacks import ConsolidateCallback
-from .step import _unwrap_optimizer
+from .step import unwrap_optimizer
+
+
+class PendingSave(NamedTuple):
+    """A checkpoint whose writes may still run: what publishing it (or cleaning up after it) needs."""
+
+    writes: list[Any]  # DCP's futures of an asynchronous save; [] once written
+    staging: str  # the hidden folder the parts are written into
+    final: str  # checkpoint-N, the name it is published under
+    run_dir: str  # where rotation looks for older checkpoints
+    need: int  # bytes the ranks write to this rank's file system (for a full disk's message)
+    error: BaseException | None  # a failure already seen while starting the save
 
 
 class CheckpointMixin:
-    """`FSDP2Mixin`'s saves: checkpoint-N (synchronous or asynchronous) and the exported model folder. Expects the
-    composing trainer's `fsdp2_config`, `_savers`, `_pending_save`, `_preemption` and `_stop_preempted`."""
+    """`FSDP2Mixin`'s saves: checkpoint-N (synchronous or asynchronous) and the exported model folder. Owns the save
+    process groups and host buffers (`_savers`) and the save still being written (`_pending_save`); reads
+    `fsdp2_config`. Adds the end-of-training export callback the config asks for."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._savers: PartSavers | None = None
+        self._pending_save: PendingSave | None = None
+        super().__init__(*args, **kwargs)
+        config = self.fsdp2_config
+        if config.consolidate_on_train_end and not any(
+            isinstance(c, ConsolidateCallback) for c in self.callback_handler.callbacks
+        ):
+            self.add_callback(
+                ConsolidateCallback(
+                    dtype=config.export_dtype,
+                    max_shard_size=config.max_shard_size,
+                    merge_adapters=config.merge_adapters_on_save,
+                )
+            )
+        for callback in self.callback_handler.callbacks:
+            if isinstance(callback, ConsolidateCallback):
+                callback.trainer_save = self._own_save()
 
     @property
     def _peft(self) -> bool:
@@ -60,10 +90,10 @@ class CheckpointMixin:
         if self.hp_search_backend is None and trial is None:
             self.store_flos()
         run_dir = self._get_output_dir(trial=trial)
-        final = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        final = self._checkpoint_folder(trial)
         self._wait_for_pending_save()
         staging = begin_checkpoint(final)
-        optimizer = None if self.args.save_only_model else _unwrap_optimizer(self.optimizer)
+        optimizer = None if self.args.save_only_model else unwrap_optimizer(self.optimizer)
         if self._savers is None:
             # NOTE: creates process groups: a collective, as is every save.
             self._savers = PartSavers(async_save=self.fsdp2_config.async_save)
@@ -83,11 +113,19 @@ class CheckpointMixin:
             if error is not None:  # the writes' own failure first: the files they filled the disk with made ours fail
                 error = wait_for_writes(pending) or error
             raise_if_write_failed(error, final, staging, need)
-        self._pending_save = (pending, staging, final, run_dir, need, error)
-        if not pending or self._preemption.stop_signal:
+        self._pending_save = PendingSave(pending, staging, final, run_dir, need, error)
+        if not pending:
             self._wait_for_pending_save()
-        if self._preemption.stop_signal:
-            self._stop_preempted(final)
+
+    def _checkpoint_folder(self, trial: Any) -> str:
+        """checkpoint-N of this step, in the run's output folder."""
+        return os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+
+    def _close_savers(self) -> None:
+        """Free the save groups' host buffers once no save will follow (end of training, preemption)."""
+        if self._savers is not None:
+            self._savers.close()
+            self._savers = None
 
     def _adapter_bytes(self) -> int:
         """Bytes of the adapter files rank 0 writes into a PEFT checkpoint (0 elsewhere)."""
@@ -147,9 +185,7 @@ class CheckpointMixin:
     def _finalize_training(self, trial: Any, num_train_samples: int, start_time: float) -> Any:
         """The end of training waits for an asynchronous save to be complete on disk."""
         self._wait_for_pending_save()
-        if self._savers is not None:
-            self._savers.close()
-            self._savers = None
+        self._close_savers()
         return super()._finalize_training(trial, num_train_samples, start_time)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
@@ -173,13 +209,6 @@ class CheckpointMixin:
         mro = type(self).__mro__
         own = any("_save" in vars(cls) for cls in mro[: mro.index(Trainer)] if cls is not CheckpointMixin)
         return self._save if own else None
-
-
-def _consolidate_callback(config: FSDP2Config) -> ConsolidateCallback:
-    """The end-of-training export the config asks for (added unless the user passed their own)."""
-    return ConsolidateCallback(
-        dtype=config.export_dtype, max_shard_size=config.max_shard_size, merge_adapters=config.merge_adapters_on_save
-    )
 
 
 def _base_model_bytes(model: nn.Module) -> int:

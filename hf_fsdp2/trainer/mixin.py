@@ -1,28 +1,18 @@
 """FSDP2Mixin and FSDP2Trainer: a `transformers.Trainer` (or subclass) whose model is sharded with FSDP2
 when the trainer is built.
 
-With its parts (`trainer_sharding`, `trainer_step`, `trainer_checkpoint`, `trainer_resume`), the only module that
-knows Trainer/Accelerate internals; each part lists the private hooks it touches. This module composes the parts
-(`FSDP2Mixin`); the hooks it touches itself:
+`FSDP2Mixin` composes five mixins, each owning its own state and listing the private hooks it touches:
+`PreemptionMixin` (preemption.py), `ShardingMixin` (sharding.py), `StepMixin` (step.py), `CheckpointMixin`
+(checkpointing.py) and `ResumeMixin` (resuming.py). Each sets its attributes, calls the next `__init__` (the last
+is Trainer's), and finishes what needs the built Trainer. This module reads the arguments, builds the skeleton of a
+model given by path, and touches:
 - `PreTrainedModel.from_pretrained` (patched while a subclass's `__init__` runs, when its signature takes `model` as
   a path): the models a subclass builds from paths become our skeletons in the class it asked for, sharded when
-  Trainer or `prepare_model` gets them (`path_models`; tests/test_trl_built_models.py).
-- `is_distributed_loading_by_transformers` (set after `__init__`): Trainer's path for models sharded
-  before it sees them; `_prepare_for_training` then skips Accelerate's DDP/FSDP wrap.
-  Guarded by tests/test_parity.py (a second wrap fails with "mixed torch.Tensor and DTensor").
-  Set after `__init__` because `__init__` refuses checkpointing for transformers' own sharded models.
+  Trainer or `prepare_model` gets them (`loading.path_models`; tests/test_trl_built_models.py).
 - `TrainingArguments.fsdp` / `fsdp_plugin_args` and Accelerate's `FullyShardedDataParallelPlugin`: read once by
   `from_accelerate.resolve_config` in `__init__` (settings carried into FSDP2Config), then `fsdp` cleared so
   Trainer builds no FSDP plugin and nothing shards the model twice (tests/test_from_accelerate*.py).
-- `model_accepts_loss_kwargs`: cleared when the model's loss ignores `num_items_in_batch`, else
-  Trainer multiplies such losses by the world size (tests/test_parity.py classification); set when a model marked
-  `accepts_loss_kwargs = False` still hands **kwargs to its `loss_function` (tests/test_vlm.py qwen2_5_vl).
-- `evaluate` (and the end of `__init__`) reshard every unit: no-grad forwards leave the root gathered, and TRL's
-  precomputed reference log-probs run them in `__init__` (tests/test_trl_built_models.py dpo_precompute).
-- `train` resolves `resume_from_checkpoint="auto"`, logs the memory plan once, and handles the preemption signals
-  while it runs (`preemption.PreemptionWatcher`); a callback's `on_step_end` turns an agreed stop into
-  `control.should_save`, and `_save_checkpoint` then writes that step synchronously and raises `Preempted`
-  (`trainer_resume`), skipping `on_train_end` and its export (tests/test_failures.py).
+- `train` resolves `resume_from_checkpoint="auto"` and logs the memory plan once.
 """
 
 from __future__ import annotations
@@ -34,51 +24,27 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from transformers import Trainer, TrainingArguments
 from transformers.trainer_utils import set_seed
 from transformers.utils import logging as transformers_logging
 
-from ..adapters.methods import check_supported
-from ..checkpoints.adapters import check_mergeable, check_trainable_are_saved
 from ..checkpoints.resume import find_resume_checkpoint
-from ..checkpoints.sharded import PartSavers
 from ..config import FSDP2Config
-from ..distributed import init_distributed, is_rank0, log_rank0
-from ..loading.branches import guard_optimizer
-from ..loading.facts import describe, facts_of, unwrap_peft
-from ..loading.path_models import PLACEMENT_KWARGS, check_all_sharded, loading_for_real, skeletons_for_paths
+from ..distributed import init_distributed, is_rank0
+from ..loading.path_models import PLACEMENT_KWARGS, check_all_sharded, skeletons_for_paths
 from ..loading.skeleton import from_pretrained
-from ..long_rows.sequence_parallel import SequenceParallel, check_model
-from ..model import prepare_model
 from ..optim.muon_routing import Muon
-from ..optim.verdicts import adapt_optimizer
 from ..planning.memory_plan import log_memory_plan
-from ..sharding.units import reshard_all
-from .callbacks import ConsolidateCallback
-from .checkpointing import CheckpointMixin, _consolidate_callback
+from .checkpointing import CheckpointMixin
 from .from_accelerate import resolve_config
-from .preemption import PreemptionCallback, PreemptionWatcher
+from .preemption import PreemptionMixin
 from .resuming import ResumeMixin
-from .sharding import (
-    ShardingMixin,
-    _validate_args,
-    _validate_training_args,  # noqa: F401  (re-exported: tests import it from here)
-)
-from .step import (
-    StepMixin,
-    _check_sequence_parallel_trainer,
-    _loss_uses_num_items,
-    _own_compute_loss,  # noqa: F401  (re-exported: tests import it from hf_fsdp2.trainer.mixin)
-    _passes_num_items_to_loss,
-    _unwrap_optimizer,
-    repoint_optimizer,
-)
+from .sharding import ShardingMixin, validate_arguments
+from .step import StepMixin
 
 
-class FSDP2Mixin(ShardingMixin, StepMixin, CheckpointMixin, ResumeMixin):
+class FSDP2Mixin(PreemptionMixin, ShardingMixin, StepMixin, CheckpointMixin, ResumeMixin):
     """Shards the model of any `Trainer` subclass with FSDP2: put it first, `class X(FSDP2Mixin, SFTTrainer)`.
 
     The model is sharded when `Trainer.__init__` first sees it (`create_accelerator_and_postprocess`), so
@@ -91,7 +57,7 @@ class FSDP2Mixin(ShardingMixin, StepMixin, CheckpointMixin, ResumeMixin):
         # The next class's own signature says which argument is the model (DPOTrainer's second is ref_model).
         bound = _bind(super().__init__, trainer_args, trainer_kwargs)
         model, args = bound.arguments.get("model"), bound.arguments.get("args")
-        _validate_args(model, bound.arguments)
+        validate_arguments(model, bound.arguments)
         init_distributed()
         if args is not None:
             # NOTE: Trainer applies `log_level` only after building its Accelerator, i.e. after sharding; set it
@@ -103,50 +69,12 @@ class FSDP2Mixin(ShardingMixin, StepMixin, CheckpointMixin, ResumeMixin):
             bound.arguments["model"] = self._skeleton(model, args)
         elif isinstance(model, os.PathLike):
             bound.arguments["model"] = os.fspath(model)  # such trainers test `isinstance(model, str)`
-        self._original_names: dict[int, str] = {}
-        self._sequence_parallel: SequenceParallel | None = None
         self._memory_plan_logged = False
-        self._savers: PartSavers | None = None
-        self._pending_save: tuple[list[Any], str, str, str] | None = None
         # A subclass that turns paths into models itself (TRL's) builds them as our skeletons, in the class and
         # configuration it asks for; each is sharded when Trainer or accelerator.prepare_model receives it.
         with skeletons_for_paths() if builds_own else contextlib.nullcontext([]) as built:
             super().__init__(*bound.args, **bound.kwargs)
         check_all_sharded(built)
-        # NOTE: a no-grad forward in a subclass's __init__ (TRL's precomputed reference log-probs) leaves the root
-        # unit gathered: its parameters would read as plain tensors, not the DTensors training updates.
-        reshard_all(self.model)
-        self.is_distributed_loading_by_transformers = True
-        if self.fsdp2_config.sequence_parallel_size > 1:
-            _check_sequence_parallel_trainer(self)
-        if not _loss_uses_num_items(self.model):
-            self.model_accepts_loss_kwargs = False
-        elif not self.model_accepts_loss_kwargs and _passes_num_items_to_loss(self.model):
-            # NOTE: transformers marks many VLMs `accepts_loss_kwargs = False` (a gradient-accumulation workaround,
-            # transformers#37208), so Trainer averages per-rank mean losses: N ranks then train on another loss than
-            # one process whenever their token counts differ. Their forward hands **kwargs to `loss_function`, so
-            # the global token count normalizes exactly (tests/test_vlm.py qwen2_5_vl).
-            self.model_accepts_loss_kwargs = True
-            log_rank0(
-                "%s passes num_items_in_batch to its loss: losses are normalized by the global token count, as in "
-                "one process.",
-                type(self.model).__name__,
-            )
-        if self.optimizer is not None:
-            repoint_optimizer(self.optimizer, self._original_names, self.model)
-            adapt_optimizer(_unwrap_optimizer(self.optimizer))
-            guard_optimizer(self.model, _unwrap_optimizer(self.optimizer))
-        self._preemption = PreemptionWatcher(
-            self.fsdp2_config.checkpoint_on_signals, self.fsdp2_config.signal_check_steps
-        )
-        self.add_callback(PreemptionCallback(self._preemption))
-        if self.fsdp2_config.consolidate_on_train_end and not any(
-            isinstance(c, ConsolidateCallback) for c in self.callback_handler.callbacks
-        ):
-            self.add_callback(_consolidate_callback(self.fsdp2_config))
-        for callback in self.callback_handler.callbacks:
-            if isinstance(callback, ConsolidateCallback):
-                callback.trainer_save = self._own_save()
 
     @staticmethod
     def _skeleton(path: str | os.PathLike, args: TrainingArguments | None) -> nn.Module:
@@ -173,49 +101,7 @@ class FSDP2Mixin(ShardingMixin, StepMixin, CheckpointMixin, ResumeMixin):
             # hf_fsdp2.Muon given as optimizer_cls_and_kwargs: plan its state, not that of args.optim.
             optim = "muon" if (self.optimizer_cls_and_kwargs or (None,))[0] is Muon else None
             log_memory_plan(self.model, self.args, self.fsdp2_config, self.train_dataset, optim)
-        with self._preemption.watching():
-            return super().train(resume_from_checkpoint, *args, **kwargs)
-
-    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
-        """Trainer's evaluate(), with every unit resharded after: its no-grad forwards leave the root gathered, so
-        `trainer.model`'s parameters are the sharded DTensors again (and the gathered copy is freed)."""
-        try:
-            return super().evaluate(*args, **kwargs)
-        finally:
-            reshard_all(self.model)
-
-    def _shard(self, model: nn.Module) -> nn.Module:
-        """Check, then shard `model` and load its weights; remember parameter names to re-point an optimizer."""
-        facts = facts_of(model) if isinstance(model, FSDPModule) else describe(model)
-        if facts.is_peft:
-            check_supported(model)
-            check_trainable_are_saved(model)
-            if self.fsdp2_config.merge_adapters_on_save:
-                check_mergeable(model)
-        elif self.fsdp2_config.merge_adapters_on_save:
-            raise ValueError(
-                "FSDP2Config(merge_adapters_on_save=True) needs a PEFT model (get_peft_model(model, LoraConfig(...)) "
-                "or a trainer's peft_config); this model has no adapters. Turn the option off."
-            )
-        size = self.fsdp2_config.sequence_parallel_size
-        if size > 1:
-            implementation = check_model(unwrap_peft(model), size, dist.get_world_size())
-            self._sequence_parallel = SequenceParallel(size, implementation)
-            log_rank0(
-                "Sequence parallelism: groups of %d consecutive ranks share each row (%s attention per document, "
-                "%d groups); the loss runs in chunks of %s tokens.",
-                size,
-                implementation,
-                dist.get_world_size() // size,
-                self.fsdp2_config.effective_loss_chunk_size,
-            )
-        self._original_names = {id(p): name for name, p in model.named_parameters()}
-        with loading_for_real():
-            sharded = prepare_model(model, self.fsdp2_config, bf16=self.args.bf16, fp16=self.args.fp16, facts=facts)
-        if sharded is not model:
-            raise RuntimeError("prepare_model must shard in place: Trainer.__init__ keeps the object it was given.")
-        sharded._is_fsdp_managed_module = True
-        return sharded
+        return super().train(resume_from_checkpoint, *args, **kwargs)
 
 
 class FSDP2Trainer(FSDP2Mixin, Trainer):

@@ -7,7 +7,9 @@ stream is synchronized for it. The trainer then writes that step's checkpoint sy
 `Preempted` (a SystemExit with a non-zero code), so the scheduler requeues the job and a relaunch with
 `resume_from_checkpoint="auto"` goes on from there.
 
-It knows signals and process groups, not the Trainer.
+`PreemptionWatcher` knows signals and process groups; `PreemptionMixin` is all `FSDP2Mixin` does about them. The
+private Trainer hook it touches: `_save_checkpoint` (after `CheckpointMixin`'s, the agreed step is written
+synchronously, then `Preempted` is raised so `on_train_end` and its export are skipped; tests/test_failures.py).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections.abc import Iterator
 from types import FrameType
 from typing import Any
 
+from torch import nn
 from transformers import TrainerCallback
 
 from ..distributed import agree, alone, close_host_group, is_host_group, new_host_group, warn_rank0
@@ -114,3 +117,34 @@ class PreemptionCallback(TrainerCallback):
             control.should_save = True
             control.should_training_stop = True
         return control
+
+
+class PreemptionMixin:
+    """`FSDP2Mixin`'s preemption: the signals are handled while `train()` runs, every rank stops after the same step,
+    and that step's checkpoint is on disk before `Preempted` ends the run. Owns `_preemption`; reads `fsdp2_config`
+    and uses `CheckpointMixin`'s `_wait_for_pending_save`, `_close_savers` and `_checkpoint_folder`."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        config = self.fsdp2_config
+        self._preemption = PreemptionWatcher(config.checkpoint_on_signals, config.signal_check_steps)
+        super().__init__(*args, **kwargs)
+        self.add_callback(PreemptionCallback(self._preemption))
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """Trainer's train(), with the signals handled while it runs."""
+        with self._preemption.watching():
+            return super().train(*args, **kwargs)
+
+    def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
+        """The checkpoint; after the step every rank agreed to stop on, finish writing it and end the run."""
+        super()._save_checkpoint(model, trial)
+        if not self._preemption.stop_signal:
+            return
+        self._wait_for_pending_save()
+        self._close_savers()
+        checkpoint = self._checkpoint_folder(trial)
+        warn_rank0(
+            "Preempted: %s is complete. Relaunch the same command with resume_from_checkpoint='auto' to go on.",
+            checkpoint,
+        )
+        raise Preempted(self._preemption.stop_signal, self.state.global_step, checkpoint)

@@ -1,15 +1,12 @@
-"""Where `FSDP2Mixin` resumes and stops: sharded checkpoints read back at any world size, a finished run relaunched,
-and a preempted run ended once its checkpoint is on disk.
+"""Where `FSDP2Mixin` resumes: sharded checkpoints read back at any world size, and a finished run relaunched.
 
-Which checkpoint `"auto"` picks is `resume`'s, the signals are `preemption`'s, the DCP reads `checkpoint`'s. Every
+Which checkpoint `"auto"` picks is `checkpoints.resume`'s, the DCP reads `checkpoints.sharded`'s. Every
 private Trainer hook it touches:
 - `_load_from_checkpoint`, `_load_optimizer_and_scheduler`, `_load_best_model`: DCP loads, any world
   size (tests/test_checkpoint.py resume cases). `_load_rng_state` is Trainer's own.
 - `_init_training_state`: a resumed checkpoint that already reached max_steps trains no further (Trainer
   would run one more step at learning rate 0 and write another checkpoint); the epoch loop is skipped and
   only the end of training (export) runs (tests/test_checkpoint.py relaunch of a finished run).
-- `_stop_preempted` (ours, called by `_save_checkpoint` once the step the ranks agreed on is saved): raises
-  `Preempted`, so `on_train_end` and its export are skipped (tests/test_failures.py).
 """
 
 from __future__ import annotations
@@ -24,17 +21,16 @@ from transformers.trainer import SCHEDULER_NAME
 from ..checkpoints.adapters import load_adapter
 from ..checkpoints.sharded import resume_model, resume_optimizer
 from ..distributed import warn_rank0
-from .preemption import Preempted
-from .step import _unwrap_optimizer
+from ..loading.facts import facts_of
+from .step import unwrap_optimizer
 
 
 class ResumeMixin:
-    """`FSDP2Mixin`'s resume and preemption stop. Expects the composing trainer's `_peft`, `_savers` and
-    `_preemption`."""
+    """`FSDP2Mixin`'s resume. It keeps no state of its own: what it reads is in the checkpoint."""
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         """Load the sharded model (a PEFT model: its adapters) from checkpoint-N, whatever world size wrote it."""
-        if self._peft:
+        if facts_of(self.model).is_peft:
             load_adapter(self.model, resume_from_checkpoint)
         else:
             resume_model(self.model, resume_from_checkpoint)
@@ -43,7 +39,7 @@ class ResumeMixin:
         """Restore optimizer (DCP, resharded) and scheduler state."""
         if checkpoint is None:
             return
-        resume_optimizer(self.model, _unwrap_optimizer(self.optimizer), checkpoint)
+        resume_optimizer(self.model, unwrap_optimizer(self.optimizer), checkpoint)
         scheduler_file = os.path.join(checkpoint, SCHEDULER_NAME)
         if self.lr_scheduler is not None and os.path.isfile(scheduler_file):
             self.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
@@ -74,15 +70,3 @@ class ResumeMixin:
             max_steps,
         )
         return num_train_epochs, 0
-
-    def _stop_preempted(self, checkpoint: str) -> None:
-        """The preemption checkpoint is on disk: end training here, skipping the end-of-training export."""
-        if self._savers is not None:
-            self._savers.close()
-            self._savers = None
-        signum = self._preemption.stop_signal
-        warn_rank0(
-            "Preempted: %s is complete. Relaunch the same command with resume_from_checkpoint='auto' to go on.",
-            checkpoint,
-        )
-        raise Preempted(signum, self.state.global_step, checkpoint)

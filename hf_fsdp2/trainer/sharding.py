@@ -1,8 +1,7 @@
 """Where `FSDP2Mixin` shards: the model Trainer is given, each model `model_init` returns, and extra models a subclass
 prepares; the checks on arguments and processes that come first.
 
-It decides when and what is sharded; how is `model.prepare_model`'s, and the check and shard of one model is
-`FSDP2Mixin._shard`. Every private Trainer/Accelerate hook it touches:
+It decides when and what is sharded; how is `model.prepare_model`'s. Every private Trainer/Accelerate hook it touches:
 - `create_accelerator_and_postprocess`: the first thing `Trainer.__init__` calls after storing the model;
   the model is sharded there (in place), after a subclass's own `__init__` changed it (TRL's
   `get_peft_model`) and before Trainer reads it (tests/test_trl.py, tests/test_dropin.py).
@@ -13,6 +12,8 @@ It decides when and what is sharded; how is `model.prepare_model`'s, and the che
   accelerators under torchrun, `use_cpu` is set so Accelerate sees the CPU process group
   (tests/test_trainer.py without use_cpu at 2 ranks; tests/test_readme.py runs the README's script as written).
 - `_move_model_to_device`: a no-op; sharding placed the model (moving DTensors would break offload).
+- `evaluate` (and the end of `__init__`) reshard every unit: no-grad forwards leave the root gathered, and TRL's
+  precomputed reference log-probs run them in `__init__` (tests/test_trl_built_models.py dpo_precompute).
 - `_build_accelerator_args`: mixed_precision="no" so Accelerate adds no autocast; precision belongs to
   FSDP2's MixedPrecisionPolicy (tests/test_parity.py::bf16).
 """
@@ -29,21 +30,45 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from transformers import TrainingArguments
 
+from ..checkpoints.adapters import check_mergeable, check_trainable_are_saved
 from ..config import FSDP2Config
 from ..distributed import log_rank0
+from ..loading.facts import describe, facts_of, unwrap_peft
 from ..loading.path_models import loading_for_real
 from ..loading.skeleton import from_pretrained
+from ..long_rows.sequence_parallel import SequenceParallel, check_model
 from ..model import prepare_model
+from ..sharding.units import reshard_all
 from .argument_verdicts import refuse_arguments
 
 
 class ShardingMixin:
     """`FSDP2Mixin`'s sharding entry points: Trainer's model when it first sees it, `model_init`'s, and extra models
-    Accelerate prepares. Expects the composing trainer's `fsdp2_config` and `_shard`."""
+    Accelerate prepares. Owns the parameter names before sharding (`_original_names`, to re-point an optimizer built
+    over the unsharded model) and the sequence-parallel layout (`_sequence_parallel`); reads `fsdp2_config`."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._original_names: dict[int, str] = {}
+        self._sequence_parallel: SequenceParallel | None = None
+        super().__init__(*args, **kwargs)
+        # Trainer's path for models sharded before it sees them: `_prepare_for_training` then skips Accelerate's
+        # DDP/FSDP wrap. Set after Trainer.__init__, which refuses checkpointing for transformers' own sharded models.
+        self.is_distributed_loading_by_transformers = True
+        # NOTE: a no-grad forward in a subclass's __init__ (TRL's precomputed reference log-probs) leaves the root
+        # unit gathered: its parameters would read as plain tensors, not the DTensors training updates.
+        reshard_all(self.model)
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        """Trainer's evaluate(), with every unit resharded after: its no-grad forwards leave the root gathered, so
+        `trainer.model`'s parameters are the sharded DTensors again (and the gathered copy is freed)."""
+        try:
+            return super().evaluate(*args, **kwargs)
+        finally:
+            reshard_all(self.model)
 
     def create_accelerator_and_postprocess(self) -> None:
         """Shard the model when Trainer first sees it, then let Accelerate shard extra models too."""
-        _validate_training_args(self.args, self.fsdp2_config)
+        validate_training_args(self.args, self.fsdp2_config)
         _adopt_cpu_process_group(self.args)
         _check_world_size(self.args)
         if self.model is not None:
@@ -58,6 +83,38 @@ class ShardingMixin:
         if isinstance(model, (str, os.PathLike)):
             model = from_pretrained(model)
         return self._shard(model)
+
+    def _shard(self, model: nn.Module) -> nn.Module:
+        """Check, then shard `model` and load its weights; remember parameter names to re-point an optimizer."""
+        facts = facts_of(model) if isinstance(model, FSDPModule) else describe(model)
+        if facts.is_peft:  # NOTE: which PEFT methods shard at all is prepare_model's check (check_supported)
+            check_trainable_are_saved(model)
+            if self.fsdp2_config.merge_adapters_on_save:
+                check_mergeable(model)
+        elif self.fsdp2_config.merge_adapters_on_save:
+            raise ValueError(
+                "FSDP2Config(merge_adapters_on_save=True) needs a PEFT model (get_peft_model(model, LoraConfig(...)) "
+                "or a trainer's peft_config); this model has no adapters. Turn the option off."
+            )
+        size = self.fsdp2_config.sequence_parallel_size
+        if size > 1:
+            implementation = check_model(unwrap_peft(model), size, dist.get_world_size())
+            self._sequence_parallel = SequenceParallel(size, implementation)
+            log_rank0(
+                "Sequence parallelism: groups of %d consecutive ranks share each row (%s attention per document, "
+                "%d groups); the loss runs in chunks of %s tokens.",
+                size,
+                implementation,
+                dist.get_world_size() // size,
+                self.fsdp2_config.effective_loss_chunk_size,
+            )
+        self._original_names = {id(p): name for name, p in model.named_parameters()}
+        with loading_for_real():
+            sharded = prepare_model(model, self.fsdp2_config, bf16=self.args.bf16, fp16=self.args.fp16, facts=facts)
+        if sharded is not model:
+            raise RuntimeError("prepare_model must shard in place: Trainer.__init__ keeps the object it was given.")
+        sharded._is_fsdp_managed_module = True
+        return sharded
 
     def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
         """Leave placement to sharding."""
@@ -88,7 +145,7 @@ def _sharding_extra_models(
     return prepare
 
 
-def _validate_args(model: Any, kwargs: dict[str, Any]) -> None:
+def validate_arguments(model: Any, kwargs: dict[str, Any]) -> None:
     """Reject a trainer with nothing to train before any process group is started."""
     if model is None and kwargs.get("model_init") is None:
         raise ValueError(
@@ -96,7 +153,7 @@ def _validate_args(model: Any, kwargs: dict[str, Any]) -> None:
         )
 
 
-def _validate_training_args(args: TrainingArguments, config: FSDP2Config) -> None:
+def validate_training_args(args: TrainingArguments, config: FSDP2Config) -> None:
     """Reject TrainingArguments fields sharding cannot honour (`argument_verdicts`), and activations checkpointed
     twice (their FSDP settings were carried into FSDP2Config already: from_accelerate)."""
     refuse_arguments(args)

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from transformers import Trainer
 
+from ..distributed import log_rank0
 from ..loading.branches import guard_optimizer
 from ..loading.facts import forward_source, unwrap_peft
 from ..long_rows.chunked_loss import chunked_loss, log_unchunked, why_not_chunked
@@ -43,7 +44,36 @@ from .router_loss import correct_router_loss, router_config
 
 class StepMixin:
     """`FSDP2Mixin`'s training step: sequence-parallel steps, chunked and router losses, global gradient norms, and
-    an optimizer built over the shards. Expects the composing trainer's `fsdp2_config` and `_sequence_parallel`."""
+    an optimizer built over the shards. Reads the composing trainer's `fsdp2_config`, and `ShardingMixin`'s
+    `_sequence_parallel` and `_original_names`."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._chunk_target: nn.Module | None = None
+        self._chunk_target_decided = False
+        super().__init__(*args, **kwargs)
+        if self.fsdp2_config.sequence_parallel_size > 1:
+            _check_sequence_parallel_trainer(self)
+        self._settle_loss_kwargs()
+        if self.optimizer is not None:
+            # Adapted to the shards (adapt_optimizer, guard_optimizer) once, in create_optimizer, as a built one is.
+            repoint_optimizer(self.optimizer, self._original_names, self.model)
+
+    def _settle_loss_kwargs(self) -> None:
+        """Whether Trainer passes the global token count to the loss (and scales it by the world size), decided by
+        what the model's loss really does."""
+        if not _loss_uses_num_items(self.model):
+            self.model_accepts_loss_kwargs = False
+        elif not self.model_accepts_loss_kwargs and _passes_num_items_to_loss(self.model):
+            # NOTE: transformers marks many VLMs `accepts_loss_kwargs = False` (a gradient-accumulation workaround,
+            # transformers#37208), so Trainer averages per-rank mean losses: N ranks then train on another loss than
+            # one process whenever their token counts differ. Their forward hands **kwargs to `loss_function`, so
+            # the global token count normalizes exactly (tests/test_vlm.py qwen2_5_vl).
+            self.model_accepts_loss_kwargs = True
+            log_rank0(
+                "%s passes num_items_in_batch to its loss: losses are normalized by the global token count, as in "
+                "one process.",
+                type(self.model).__name__,
+            )
 
     @contextlib.contextmanager
     def _defer_fsdp_gradient_reduction(self) -> Iterator[None]:
@@ -99,7 +129,7 @@ class StepMixin:
         """The causal LM whose loss is chunked (`loss_chunk_size`), or None; why not is logged once."""
         if self.fsdp2_config.effective_loss_chunk_size is None:
             return None
-        if not hasattr(self, "_chunk_target"):
+        if not self._chunk_target_decided:
             model = unwrap_peft(self.model)
             reason = why_not_chunked(model)
             if reason is None and self.args.label_smoothing_factor:
@@ -109,6 +139,7 @@ class StepMixin:
             if reason is not None:
                 log_unchunked(model, reason)
             self._chunk_target = None if reason is not None else model
+            self._chunk_target_decided = True
         return self._chunk_target
 
     def _loss_scale(self, num_items_in_batch: Any) -> float:
@@ -132,12 +163,12 @@ class StepMixin:
             decay = self.get_decay_parameter_names(opt_model)
             self.optimizer = factory()(opt_model, training_args=self.args, decay_parameter_names=decay, **kwargs)
         optimizer = super().create_optimizer(model)
-        adapt_optimizer(_unwrap_optimizer(optimizer))
-        guard_optimizer(self.model, _unwrap_optimizer(optimizer))
+        adapt_optimizer(unwrap_optimizer(optimizer))
+        guard_optimizer(self.model, unwrap_optimizer(optimizer))
         return optimizer
 
 
-def _unwrap_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+def unwrap_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """The torch optimizer inside Accelerate's wrapper (DCP's state-dict helpers need the real one)."""
     return getattr(optimizer, "optimizer", optimizer)
 
