@@ -2,7 +2,7 @@
 
 It validates its own fields and turns string options into torch objects; it knows nothing about
 models, process groups or the Trainer. Help text lives in `metadata["help"]` so `HfArgumentParser`
-and the README's configuration reference show the same words.
+and the docs' configuration reference (docs/reference/config.md) show the same words.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ class FSDP2Config:
             "help": "Sub-modules (dotted names) that a rank may skip in a step while another runs them, beyond "
             "those found by structure (a multimodal model's image/audio encoders and projectors, skipped on a "
             "text-only batch). They are kept in the root unit and given zero gradients where they did not run, "
-            "so ranks never disagree on a collective. See the README's 'Vision-language models'."
+            "so ranks never disagree on a collective. See the docs' 'VLMs and MoE' page."
         },
     )
     base_quantization: str | None = field(
