@@ -133,4 +133,4 @@ def test_prompt_tuning_initialized_from_the_vocabulary_on_a_skeleton_is_refused(
     # peft draws from the vocabulary's embeddings, which a skeleton does not have: replaying it would give zeros.
     model.peft_config["default"].prompt_tuning_init = "SAMPLE_VOCAB"
     with pytest.raises(ValueError, match="prompt_tuning_init='SAMPLE_VOCAB' .* meta skeleton"):
-        check_replayable(model)
+        check_replayable(model, from_pretrained(tiny(MODEL)))
