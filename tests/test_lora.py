@@ -246,9 +246,20 @@ def test_weight_dependent_init_on_a_skeleton_is_refused(tiny):
     # peft itself fails on meta weights for such inits; a config edited afterwards must not replay as garbage.
     model.peft_config["default"].init_lora_weights = "pissa"
     with pytest.raises(ValueError, match="init_lora_weights='pissa'.* meta skeleton"):
-        check_replayable(model)
+        check_replayable(model, from_pretrained(tiny("llama")))
     with pytest.raises(ValueError, match="use_dora=True .* meta skeleton"):
-        check_replayable(lora(from_pretrained(tiny("llama")), use_dora=True))
+        check_replayable(lora(from_pretrained(tiny("llama")), use_dora=True), from_pretrained(tiny("llama")))
+
+
+def test_an_unlisted_weight_dependent_init_is_found_by_replaying_it_on_two_stand_ins(tiny):
+    """MiCA (peft 0.21) builds lora_B from the base weights' SVD; the old list of init names lacked it, so a config
+    naming it (edited after get_peft_model, as above) replayed on zeros: lora_B from the SVD of a zero matrix."""
+    model = lora(from_pretrained(tiny("llama")))
+    model.peft_config["default"].init_lora_weights = "mica"
+    with pytest.raises(ValueError, match=r"init_lora_weights='mica' and its initial .*lora_B.* meta skeleton"):
+        check_replayable(model, from_pretrained(tiny("llama")))
+    for init in (True, "gaussian", "orthogonal"):  # random draws only: replayed, not refused
+        check_replayable(lora(from_pretrained(tiny("llama")), init_lora_weights=init), from_pretrained(tiny("llama")))
 
 
 def test_merge_option_without_adapters_and_cli_on_adapter_checkpoint_are_refused(tmp_path, tiny, one_process):

@@ -143,3 +143,48 @@ def test_torchao_low_bit_adamw_trains_on_shards(tmp_path, monkeypatch, optim):
     # Each shard's state is quantised in blocks of its own; where a shard does not start on a block edge of the
     # whole tensor, block scales differ from one process's: the issue's bound for block-quantised states.
     assert _difference(results["plain-1"], results["fsdp2-2"]) <= 2e-3
+
+
+def test_optimizers_are_judged_by_class_and_a_subclass_takes_its_bases_verdict_whatever_its_name():
+    """Old rule: `type(x) is Muon` let a subclass skip the shard-exact step; a bitsandbytes class was 8-bit only when
+    its name said "8bit" or its groups held `optim_bits` (they never do), and a subclass outside bitsandbytes'
+    modules stepped its kernels on DTensors."""
+    from transformers.optimization import Adafactor
+
+    from hf_fsdp2.optim.adafactor import ShardedAdafactor
+    from hf_fsdp2.optim.muon import ShardedTorchMuon
+    from hf_fsdp2.optim.verdicts import LocalShards, adapt_optimizer
+
+    def params() -> list[torch.nn.Parameter]:
+        return [torch.nn.Parameter(torch.randn(8, 8))]
+
+    class WarmMuon(torch.optim.Muon):  # overrides no step: gets the shard-exact one, keeps its own class
+        warm = True
+
+    muon = adapt_optimizer(WarmMuon(params()))
+    assert isinstance(muon, ShardedTorchMuon) and isinstance(muon, WarmMuon)
+    assert adapt_optimizer(muon).__class__ is muon.__class__, "adapting twice changes nothing"
+    assert isinstance(adapt_optimizer(type("MyAdafactor", (Adafactor,), {})(params())), ShardedAdafactor)
+
+    class LoggedMuon(torch.optim.Muon):
+        def step(self, closure=None):
+            return super().step(closure)
+
+    with pytest.raises(ValueError, match=r"LoggedMuon subclasses torch.optim.*Muon and LoggedMuon overrides step"):
+        adapt_optimizer(LoggedMuon(params()))
+
+    bnb = pytest.importorskip("bitsandbytes")
+    with pytest.raises(ValueError, match=r"^Adam is refused under FSDP2Trainer: bitsandbytes keeps 8-bit states"):
+        adapt_optimizer(bnb.optim.Adam(params(), optim_bits=8))
+    blockwise = type("BlockwiseAdamW", (bnb.optim.AdamW8bit,), {})  # a user's subclass, in the user's module
+    with pytest.raises(ValueError, match=r"^BlockwiseAdamW is refused under FSDP2Trainer: bitsandbytes keeps 8-bit"):
+        adapt_optimizer(blockwise(params()))
+    assert isinstance(adapt_optimizer(bnb.optim.Adam(params())), LocalShards), "32-bit: steps each rank's shard"
+    overridden = params()
+    manager = bnb.optim.GlobalOptimManager.get_instance()
+    manager.override_config(overridden[0], "optim_bits", 8)
+    try:
+        with pytest.raises(ValueError, match="bitsandbytes keeps 8-bit states"):
+            adapt_optimizer(bnb.optim.Adam(overridden))
+    finally:
+        manager.pid2config.pop(id(overridden[0]), None)

@@ -180,3 +180,4 @@ def test_trainable_tokens_on_a_skeleton_start_as_peft_starts_them_on_the_real_ba
     assert len(want) == 2 and want.keys() == got.keys()
     for name, tensor in got.items():
         assert torch.equal(tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor, want[name]), name
+        check_replayable(model, from_pretrained(tiny(MODEL)))

@@ -86,3 +86,32 @@ def test_who_writes_a_models_folder():
     assert owner_save(nn.Linear(2, 2), None) is None, "a plain module: its state dict, as Trainer._save writes"
     assert owner_save(nn.Linear(2, 2), trainer_save) is trainer_save
     assert owner_save(OwnFormat(), None) is not None
+
+
+class Wrapper(nn.Module):
+    """A model wrapper whose `save(dir)` is unrelated to exports (here: it must never run)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 2)
+
+    def forward(self, x, labels=None):
+        return {"logits": self.body(x)}
+
+    def save(self, directory: str) -> None:
+        raise AssertionError("an export called Wrapper.save")
+
+
+def test_a_method_merely_named_save_is_not_called_and_the_model_is_exported_as_its_state_dict(tmp_path):
+    """Old rule: any callable `save` counted as the owner's folder format and was called by save_model."""
+    from safetensors.torch import load_file
+    from transformers import TrainingArguments
+
+    from hf_fsdp2 import FSDP2Trainer
+    from hf_fsdp2.export.owner import owner_save
+
+    assert owner_save(Wrapper(), None) is None
+    trainer = FSDP2Trainer(Wrapper(), TrainingArguments(str(tmp_path / "run"), report_to=[], use_cpu=True))
+    trainer.save_model(str(tmp_path / "out"))
+    saved = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert sorted(saved) == ["body.bias", "body.weight"] and saved["body.weight"].shape == (2, 4)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from transformers import AutoModelForSequenceClassification, PreTrainedModel, Trainer, TrainingArguments
 
 from tests.launch import load_runs, run
 from tests.test_dropin import differences
@@ -87,15 +88,10 @@ def test_kto_reference_model_is_sharded_frozen(built_runs):
 def test_a_trainer_that_takes_paths_builds_them_as_skeletons(tiny):
     """In the window, from_pretrained of a path builds the skeleton of exactly that call (class and config overrides
     from the Auto class); our own loading reads weights; the original from_pretrained is back afterwards."""
-    from sentence_transformers import SentenceTransformerTrainer
-    from transformers import AutoModelForSequenceClassification, PreTrainedModel, Trainer
-    from trl import KTOTrainer, RewardTrainer
+    from transformers import AutoModelForSequenceClassification, PreTrainedModel
 
     from hf_fsdp2.loading.path_models import check_all_sharded, loading_for_real, skeletons_for_paths
-    from hf_fsdp2.trainer.mixin import _builds_from_paths
 
-    assert _builds_from_paths(RewardTrainer.__init__) and _builds_from_paths(KTOTrainer.__init__)
-    assert not _builds_from_paths(Trainer.__init__) and not _builds_from_paths(SentenceTransformerTrainer.__init__)
     original = PreTrainedModel.__dict__["from_pretrained"]
     with skeletons_for_paths() as built:
         skeleton = AutoModelForSequenceClassification.from_pretrained(tiny("llama"), num_labels=1, device_map=None)
@@ -111,7 +107,7 @@ def test_a_trainer_that_takes_paths_builds_them_as_skeletons(tiny):
 def test_a_path_with_positional_arguments_is_refused_by_name_not_loaded_whole(tmp_path, tiny):
     """Positional arguments after the path go to the model's __init__; the skeleton is built from keywords, so the
     call is refused with both fixes instead of loading the whole model on every rank."""
-    from transformers import AutoModelForCausalLM, PreTrainedModel, Trainer, TrainingArguments
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
     from hf_fsdp2 import FSDP2Mixin
     from hf_fsdp2.loading.path_models import skeletons_for_paths
@@ -130,3 +126,37 @@ def test_a_path_with_positional_arguments_is_refused_by_name_not_loaded_whole(tm
     args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
     with pytest.raises(ValueError, match="1 positional argument"):
         Sharded(tiny("llama"), args)
+
+
+class ClassifierTrainer(Trainer):
+    """Builds a one-label classifier from a path itself; its `model` has no annotation (the old rule read "str" in
+    the annotation, so it was handed a causal LM skeleton instead)."""
+
+    def __init__(self, model, args=None, **kwargs):
+        if isinstance(model, str):
+            model = AutoModelForSequenceClassification.from_pretrained(model, num_labels=1)
+        super().__init__(model=model, args=args, **kwargs)
+
+
+class DeclaringTrainer(Trainer):
+    """Declares `str | PreTrainedModel` but builds nothing (the old rule passed it the path, and Trainer failed)."""
+
+    def __init__(self, model: str | PreTrainedModel, args=None, **kwargs):
+        super().__init__(model=model, args=args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("base", "built"), [(ClassifierTrainer, "LlamaForSequenceClassification"), (DeclaringTrainer, "LlamaForCausalLM")]
+)
+def test_whether_a_trainer_builds_its_model_from_a_path_is_what_it_does_not_what_it_declares(
+    tmp_path, tiny, base, built
+):
+    from hf_fsdp2 import FSDP2Mixin
+    from hf_fsdp2.loading.facts import unwrap_peft
+
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    trainer = type(f"FSDP2{base.__name__}", (FSDP2Mixin, base), {})(tiny("llama"), args)
+    model = unwrap_peft(trainer.model)
+    assert type(model).__name__ in (built, f"FSDP{built}")
+    assert not any(p.is_meta for p in model.parameters()), "the skeleton was loaded and sharded"
+    assert Trainer.__dict__["__init__"].__qualname__ == "Trainer.__init__", "Trainer.__init__ is back"

@@ -25,23 +25,26 @@ from ..sharding.collective_methods import COLLECTIVE_METHODS
 from ..sharding.units import original_class, reshard_all
 from .hf_folder import export_dtype, prepare_output, publish
 
-# The model's own save methods, in the order asked: transformers-style first, then a plain `save(path)`.
-OWN_SAVE_METHODS = ("save_pretrained", "save")
+# The method by which a class declares that it writes its own folder, the one every Hugging Face library's models and
+# `huggingface_hub.PyTorchModelHubMixin` define (sentence-transformers' too). A method that is merely named `save`
+# (a wrapper's checkpoint helper, an unrelated API) declares nothing and is never called by an export.
+OWN_SAVE_METHOD = "save_pretrained"
 
 
 def owner_save(model: nn.Module, trainer_save: Callable[[str], None] | None) -> Callable[[str], None] | None:
     """The save that writes `model`'s own folder format, or None when the streamed export writes what it would.
 
     A `PreTrainedModel` or PEFT model: None (`save_pretrained`'s format, streamed). Otherwise the trainer subclass's
-    own `_save` when it has one (`trainer_save`), else the model class's own `save_pretrained` / `save`; a plain
-    module with neither gets None: its state dict as `model.safetensors`, which is what `Trainer._save` writes.
+    own `_save` when it has one (`trainer_save`), else the model class's own `save_pretrained`; a module without
+    one gets None: its state dict as `model.safetensors`, which is what `Trainer._save` writes.
     """
     if isinstance(model, PreTrainedModel) or facts_of(model).is_peft:
         return None
     if trainer_save is not None:
         return trainer_save
-    method = next((name for name in OWN_SAVE_METHODS if callable(getattr(original_class(model), name, None))), None)
-    return None if method is None else lambda directory: getattr(model, method)(directory)
+    if not callable(getattr(original_class(model), OWN_SAVE_METHOD, None)):
+        return None
+    return lambda directory: getattr(model, OWN_SAVE_METHOD)(directory)
 
 
 def save_by_owner(

@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from transformers.optimization import Adafactor
 
 from ..distributed import alone
+from .twins import adopt_twin
 
 
 class _Group:
@@ -135,6 +136,9 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def make_adafactor_exact(optimizer: torch.optim.Optimizer) -> None:
-    """Turn transformers' Adafactor into ShardedAdafactor in place (a scheduler built on it keeps working)."""
-    if type(optimizer) is Adafactor:
-        optimizer.__class__ = ShardedAdafactor
+    """Turn transformers' Adafactor, or a subclass that keeps its step, into ShardedAdafactor in place.
+
+    Raises:
+        ValueError: for a subclass that overrides `step` (`twins.adopt_twin`).
+    """
+    adopt_twin(optimizer, Adafactor, ShardedAdafactor)

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.optim.adam import adam
 
 from ..distributed import agree, alone
+from .twins import adopt_twin
 
 # torch.optim.Muon's defaults (Keller Jordan's coefficients); `test_muon` checks they still are torch's.
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -307,8 +308,10 @@ class ShardedTorchMuon(torch.optim.Muon):
 
 
 def make_shard_exact(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """Turn a torch.optim.Muon into its shard-exact twin in place (a scheduler built on it keeps working)."""
-    if type(optimizer) is torch.optim.Muon:
-        # NOTE: in place, not a copy: the user's LR scheduler (Trainer's `optimizers=(opt, sched)`) holds this object.
-        optimizer.__class__ = ShardedTorchMuon
+    """Turn a torch.optim.Muon, or a subclass that keeps its step, into its shard-exact twin in place.
+
+    Raises:
+        ValueError: for a subclass that overrides `step` (`twins.adopt_twin`).
+    """
+    adopt_twin(optimizer, torch.optim.Muon, ShardedTorchMuon)
     return optimizer

@@ -118,24 +118,58 @@ def check_optim(optim: str) -> Verdict:
     return verdict
 
 
+# Verdicts on optimizer classes of optional packages, keyed by class as (module, qualname), so checking one imports
+# nothing; an optimizer takes the verdict of the first class of its MRO found here, so a subclass is judged as its
+# base whatever it is named. Classes not found step as they are (elementwise, or the user's own responsibility).
+_REFUSED_CLASSES: dict[tuple[str, str], tuple[str, str]] = {
+    **{
+        (module, name): (f"it {_PROJECTION}", _LEAN)
+        for module, name in (
+            ("apollo_torch.adafactor", "GaLoreAdafactor"),
+            ("apollo_torch.adamw", "GaLoreAdamW"),
+            ("apollo_torch.adamw8bit", "GaLoreAdamW8bit"),
+            ("apollo_torch.apollo", "APOLLOAdamW"),
+            ("apollo_torch.q_apollo", "QAPOLLOAdamW"),
+            ("galore_torch.adafactor", "GaLoreAdafactor"),
+            ("galore_torch.adamw8bit", "GaLoreAdamW8bit"),
+        )
+    },
+    ("lomo_optim.adalomo", "AdaLomo"): (_FACTORED, "optim='lomo' or 'adafactor'"),
+}
+# Every bitsandbytes optimizer (8- and 32-bit) derives from this class; the bits are each parameter's config.
+_BNB_BASE = ("bitsandbytes.optim.optimizer", "Optimizer8bit")
+
+
 def adapt_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """Make `optimizer` exact on FSDP2 shards in place (Muon, Adafactor, bitsandbytes), or refuse it by name.
+    """Make `optimizer` exact on FSDP2 shards in place (Muon, Adafactor, bitsandbytes), or refuse it by class.
 
     Raises:
         ValueError: for an optimizer known to need whole matrices that hf_fsdp2 cannot give it.
     """
     make_shard_exact(optimizer)
     make_adafactor_exact(optimizer)
-    module, name = type(optimizer).__module__, type(optimizer).__name__
-    if module.startswith("bitsandbytes"):
-        if any(group.get("optim_bits", 32) == 8 for group in optimizer.param_groups) or "8bit" in name:
-            raise ValueError(f"{name} is refused under FSDP2Trainer: {_BNB_8BIT}. Use {_ALTERNATIVE_8BIT}.")
-        optimizer.__class__ = type(f"LocalShards{name}", (LocalShards, type(optimizer)), {})
-    elif module.startswith(("apollo_torch", "galore_torch.adafactor", "galore_torch.adamw8bit")):
-        raise ValueError(f"{name} is refused under FSDP2Trainer: it {_PROJECTION}. Use {_LEAN}.")
-    elif module.startswith("lomo_optim") and name == "AdaLomo":
-        raise ValueError(f"AdaLomo is refused under FSDP2Trainer: {_FACTORED}. Use optim='lomo' or 'adafactor'.")
+    cls = type(optimizer)
+    if issubclass(cls, LocalShards):
+        return optimizer  # adapted already
+    bases = [(c.__module__, c.__qualname__) for c in cls.__mro__]
+    refused = next((_REFUSED_CLASSES[key] for key in bases if key in _REFUSED_CLASSES), None)
+    if refused is not None:
+        raise ValueError(f"{cls.__name__} is refused under FSDP2Trainer: {refused[0]}. Use {refused[1]}.")
+    if _BNB_BASE in bases:
+        if _has_8bit_state(optimizer):
+            raise ValueError(f"{cls.__name__} is refused under FSDP2Trainer: {_BNB_8BIT}. Use {_ALTERNATIVE_8BIT}.")
+        optimizer.__class__ = type(f"LocalShards{cls.__name__}", (LocalShards, cls), {})
     return optimizer
+
+
+def _has_8bit_state(optimizer: Any) -> bool:
+    """True when bitsandbytes would keep any parameter's state in 8 bits: asked of the optimizer's own per-parameter
+    config (its `optim_bits`, `GlobalOptimManager` overrides included), not read from its class name."""
+    return any(
+        optimizer.get_config(g, p, group)["optim_bits"] == 8
+        for g, group in enumerate(optimizer.param_groups)
+        for p in range(len(group["params"]))
+    )
 
 
 class LocalShards:

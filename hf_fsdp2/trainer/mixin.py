@@ -6,9 +6,12 @@ when the trainer is built.
 (checkpointing.py) and `ResumeMixin` (resuming.py). Each sets its attributes, calls the next `__init__` (the last
 is Trainer's), and finishes what needs the built Trainer. This module reads the arguments, builds the skeleton of a
 model given by path, and touches:
-- `PreTrainedModel.from_pretrained` (patched while a subclass's `__init__` runs, when its signature takes `model` as
-  a path): the models a subclass builds from paths become our skeletons in the class it asked for, sharded when
-  Trainer or `prepare_model` gets them (`loading.path_models`; tests/test_trl_built_models.py).
+- `PreTrainedModel.from_pretrained` (patched while a subclass's `__init__` runs): the models a subclass builds from
+  paths become our skeletons in the class it asked for, sharded when Trainer or `prepare_model` gets them
+  (`loading.path_models`; tests/test_trl_built_models.py).
+- `Trainer.__init__` (patched while a subclass's `__init__` runs, when the model is a path): a path that reaches it
+  unchanged (the subclass built nothing from it) becomes our skeleton of the path there. Whether a subclass builds
+  its own model is thus what it does, not what its signature says (tests/test_trl_built_models.py).
 - `TrainingArguments.fsdp` / `fsdp_plugin_args` and Accelerate's `FullyShardedDataParallelPlugin`: read once by
   `from_accelerate.resolve_config` in `__init__` (settings carried into FSDP2Config), then `fsdp` cleared so
   Trainer builds no FSDP plugin and nothing shards the model twice (tests/test_from_accelerate*.py).
@@ -20,8 +23,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
-import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch import nn
@@ -64,15 +66,14 @@ class FSDP2Mixin(PreemptionMixin, ShardingMixin, StepMixin, CheckpointMixin, Res
             # first so the sharding's info lines (NF4 weights kept dense, what carried from Accelerate) show.
             transformers_logging.set_verbosity(args.get_process_log_level())
         self.fsdp2_config = resolve_config(fsdp2_config, args)
-        builds_own = _builds_from_paths(super().__init__)
-        if isinstance(model, (str, os.PathLike)) and not builds_own:
-            bound.arguments["model"] = self._skeleton(model, args)
-        elif isinstance(model, os.PathLike):
-            bound.arguments["model"] = os.fspath(model)  # such trainers test `isinstance(model, str)`
+        path = os.fspath(model) if isinstance(model, (str, os.PathLike)) else None
+        if path is not None:
+            bound.arguments["model"] = path  # such trainers test `isinstance(model, str)`
         self._memory_plan_logged = False
         # A subclass that turns paths into models itself (TRL's) builds them as our skeletons, in the class and
-        # configuration it asks for; each is sharded when Trainer or accelerator.prepare_model receives it.
-        with skeletons_for_paths() if builds_own else contextlib.nullcontext([]) as built:
+        # configuration it asks for; each is sharded when Trainer or accelerator.prepare_model receives it. A path it
+        # hands on unchanged becomes our skeleton when it reaches Trainer.__init__.
+        with skeletons_for_paths() as built, _skeleton_if_trainer_gets(path, lambda: self._skeleton(path, args)):
             super().__init__(*bound.args, **bound.kwargs)
         check_all_sharded(built)
 
@@ -121,10 +122,24 @@ def _bind(init: Callable[..., None], args: tuple[Any, ...], kwargs: dict[str, An
     return signature.bind_partial(*args, **kwargs)
 
 
-def _builds_from_paths(init: Callable[..., None]) -> bool:
-    """True when the trainer's own constructor declares that `model` may be a path (TRL's: `str | PreTrainedModel`):
-    it builds the model itself, so the class and configuration are its own (RewardTrainer's `num_labels=1`)."""
-    parameter = inspect.signature(init).parameters.get("model")
-    if parameter is None or parameter.annotation is inspect.Parameter.empty:
-        return False
-    return "str" in re.findall(r"\w+", str(parameter.annotation))
+@contextlib.contextmanager
+def _skeleton_if_trainer_gets(path: str | None, build: Callable[[], nn.Module]) -> Iterator[None]:
+    """Within the block, a `model` that reaches `Trainer.__init__` still as `path` becomes `build()`: the subclass
+    built nothing from it (plain Trainer, or a subclass that only declares paths), so the path is ours to load."""
+    if path is None:
+        yield
+        return
+    original = Trainer.__dict__["__init__"]
+
+    def init(trainer: Trainer, *args: Any, **kwargs: Any) -> None:
+        bound = inspect.signature(original).bind(trainer, *args, **kwargs)
+        model = bound.arguments.get("model")
+        if isinstance(model, str) and model == path:
+            bound.arguments["model"] = build()
+        original(*bound.args, **bound.kwargs)
+
+    Trainer.__init__ = init  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        Trainer.__init__ = original  # type: ignore[method-assign]
