@@ -233,20 +233,44 @@ class PartSavers:
 
     NOTE: each part's DCP save runs its collectives in its own thread (the model's beside the optimizer's in a sync
     save, both in the background in an async one); sharing a group between them (or with training) lets them
-    interleave differently on each rank and deadlock. The stagers cache their host buffers, so after the first
-    save staging is a copy, not an allocation.
+    interleave differently on each rank and deadlock. Where torch's stager can stage again (torch 2.13) it is kept:
+    it caches its host buffers, so after the first save staging is a copy, not an allocation. Where it cannot
+    (torch 2.11's closes itself after staging, so its second save fails with `KeyError: <class 'type'>`), each save
+    gets a fresh one; that torch dropped its buffers after every save anyway, so nothing is lost.
     """
 
     def __init__(self, async_save: bool = False) -> None:
         self.groups = {part: dist.new_group(backend="gloo") for part in (MODEL_DIR, OPTIMIZER_DIR)}
-        pinned = torch.cuda.is_available()
-        options = StagingOptions(pinned, False, False, False)
-        self.stagers = {part: DefaultStager(options) for part in (MODEL_DIR, OPTIMIZER_DIR)} if async_save else {}
+        self._options = StagingOptions(torch.cuda.is_available(), False, False, False)  # pinned where CUDA is
+        self.reuses_stagers = async_save and stager_stages_again()
+        self.stagers = {part: DefaultStager(self._options) for part in (MODEL_DIR, OPTIMIZER_DIR)} if async_save else {}
+
+    def stager(self, part: str) -> DefaultStager:
+        """The stager for `part`'s next asynchronous save: the kept one, or a fresh one where torch's cannot stage
+        twice (the last save's writes are finished: the trainer waits for them before the next save)."""
+        if not self.reuses_stagers:
+            self.stagers[part].close()
+            self.stagers[part] = DefaultStager(self._options)
+        return self.stagers[part]
 
     def close(self) -> None:
         """Free the cached host buffers."""
         for stager in self.stagers.values():
             stager.close()
+
+
+def stager_stages_again() -> bool:
+    """Whether torch's `DefaultStager` can stage a second time: asked of torch itself (a few bytes, once per
+    trainer) rather than read from its version, so a release that changes it again is handled as it behaves."""
+    stager = DefaultStager(StagingOptions(False, False, False, False))
+    try:
+        stager.stage({"probe": torch.zeros(1)})
+        stager.stage({"probe": torch.zeros(1)})
+    except KeyError:  # torch 2.11: the first stage emptied the stager's copy table (DefaultStager._stage closes it)
+        return False
+    finally:
+        stager.close()
+    return True
 
 
 def sharded_parts(
@@ -283,7 +307,7 @@ def write_parts(
                 state,
                 storage_writer=writers[folder],
                 process_group=savers.groups[folder],
-                async_stager=savers.stagers[folder],
+                async_stager=savers.stager(folder),
             )
             for folder, state in parts
         ]

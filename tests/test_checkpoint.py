@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import json
 import os
 import shutil
 
@@ -342,3 +343,21 @@ def test_the_parts_of_a_sync_save_are_written_at_once_and_a_failure_in_either_is
     with pytest.raises(CheckpointException) as failed:
         run_at_once([full_disk, lambda: done.append("optim again")])
     assert failed.value.failures == {0: disk_full} and done[-1] == "optim again"
+
+
+@pytest.mark.parametrize("stager", ["torch", "self-closing"], ids=["this-torch", "torch-2.11-stager"])
+def test_every_async_save_of_a_run_holds_exactly_its_state(tmp_path, stager):
+    """Three async saves through one PartSavers, the weights changing while each is written, read back exactly.
+
+    The second save is the one torch 2.11's stager broke (it closes itself after staging); the self-closing case
+    plays that stager on whichever torch runs the suite.
+    """
+    flags = ["--self-closing-stager"] if stager == "self-closing" else []
+    run("async_save_worker.py", 2, "--out", str(tmp_path), *flags)
+    for rank in (0, 1):
+        with open(os.path.join(tmp_path, f"rank{rank}.json")) as f:
+            result = json.load(f)
+        assert result["mismatched"] == [], result["mismatched"]
+        assert result["compared"] == 3 * 16  # per save: 4 weights and biases; AdamW's step, exp_avg, exp_avg_sq each
+        if stager == "self-closing":
+            assert result["reuses_stagers"] is False
