@@ -73,6 +73,7 @@ from .trainer_step import (
     _unwrap_optimizer,
     repoint_optimizer,
 )
+from .versions import check_versions_once
 
 
 class FSDP2Mixin(ShardingMixin, StepMixin, CheckpointMixin, ResumeMixin):
@@ -85,6 +86,7 @@ class FSDP2Mixin(ShardingMixin, StepMixin, CheckpointMixin, ResumeMixin):
     """
 
     def __init__(self, *trainer_args: Any, fsdp2_config: FSDP2Config | None = None, **trainer_kwargs: Any) -> None:
+        check_versions_once()  # before any Trainer code: an untested transformers fails here in one line
         # The next class's own signature says which argument is the model (DPOTrainer's second is ref_model).
         bound = _bind(super().__init__, trainer_args, trainer_kwargs)
         model, args = bound.arguments.get("model"), bound.arguments.get("args")
