@@ -25,6 +25,7 @@ from transformers.utils import logging as transformers_logging  # noqa: E402
 
 from .distributed import start_restarted_worker  # noqa: E402
 from .moved_modules import install as install_moved_modules  # noqa: E402
+from .versions import check_versions_once  # noqa: E402
 
 if TYPE_CHECKING:
     from .checkpoints.disk_space import CheckpointDiskFull, CheckpointWriteError
@@ -80,6 +81,9 @@ def __getattr__(name: str) -> Any:
     """Import a public name's submodule the first time the name is used."""
     if name not in _EXPORTS:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    # NOTE: checked at first use, not at `import hf_fsdp2`, so that `hf-fsdp2 env` can still report the versions it
+    # would refuse; `from hf_fsdp2 import FSDP2Trainer` is the first use and fails here, in one line.
+    check_versions_once()
     value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
     globals()[name] = value  # later uses are plain attribute reads
     return value

@@ -32,6 +32,13 @@ def build_parser() -> argparse.ArgumentParser:
     consolidate.add_argument("--dtype", choices=list(DTYPES), default=None, help="cast floating tensors")
     consolidate.add_argument("--overwrite", action="store_true", help="write into a non-empty output_dir")
     _add_plan_parser(commands)
+    commands.add_parser(
+        "env",
+        help="print the versions and hardware a bug report needs (markdown)",
+        description="Print hf_fsdp2's version, Python, the platform, torch's CUDA build, the accelerator and its "
+        "count, and the versions of torch, transformers, accelerate, peft, trl and torchao with whether each is "
+        "inside the range hf_fsdp2 is tested with: paste it into a GitHub issue.",
+    )
     return parser
 
 
@@ -133,6 +140,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
+    if args.command == "env":
+        from .environment import report
+
+        print(report())
+        return 0
+    from .versions import UntestedVersionError, check_versions_once
+
+    try:
+        check_versions_once()
+    except UntestedVersionError as error:
+        print(f"hf-fsdp2 {args.command}: error: {error}", file=sys.stderr)
+        return 2
     if args.command == "plan":
         try:
             return _run_plan(args)

@@ -24,6 +24,13 @@ RESUMED = ["adafactor", "lion_32bit", "ademamix"]  # one of each kind that needs
 TORCHAO = ["adamw_torch_8bit", "adamw_torch_4bit"]  # each in its own launch and compile cache (see the fixture)
 
 
+# torch-optimi 0.3 decides Triton or not before it has collected a group's params (all() of none is True), so with
+# Triton installed (PyPI's CUDA build of torch brings it) and no GPU, plain Trainer's StableAdamW fails too:
+# "0 active drivers". Seen running the suite on torch 2.11 from PyPI on a CPU machine; CI's CPU torch has no
+# Triton, and on a GPU the kernels run on CUDA tensors.
+OPTIM_TRITON_ON_CPU = importlib.util.find_spec("triton") is not None and not torch.cuda.is_available()
+
+
 def installed(optim: str) -> bool:
     package = OPTIM_VERDICTS[optim].package
     return not package or importlib.util.find_spec(package) is not None
@@ -84,6 +91,10 @@ def _difference(expected: dict, actual: dict) -> float:
 def test_each_accepted_value_trains_at_2_ranks_as_plain_trainer_in_one_process(trained, optim):
     if not installed(optim):
         pytest.skip(f"needs {OPTIM_VERDICTS[optim].package}")
+    if optim.startswith("stable_adamw") and OPTIM_TRITON_ON_CPU:
+        pytest.skip(
+            "torch-optimi 0.3 launches its Triton kernels on CPU tensors when Triton is installed (PyPI's CUDA torch)"
+        )
     scenario = f"optim={optim}"
     reference = trained["plain-1"][scenario]
     for name in ("fsdp2-2", "fsdp2-1"):

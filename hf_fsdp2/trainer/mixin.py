@@ -38,6 +38,7 @@ from ..loading.path_models import PLACEMENT_KWARGS, check_all_sharded, skeletons
 from ..loading.skeleton import from_pretrained
 from ..optim.muon_routing import Muon
 from ..planning.memory_plan import log_memory_plan
+from ..versions import check_versions_once
 from .checkpointing import CheckpointMixin
 from .from_accelerate import resolve_config
 from .preemption import PreemptionMixin
@@ -56,6 +57,7 @@ class FSDP2Mixin(PreemptionMixin, ShardingMixin, StepMixin, CheckpointMixin, Res
     """
 
     def __init__(self, *trainer_args: Any, fsdp2_config: FSDP2Config | None = None, **trainer_kwargs: Any) -> None:
+        check_versions_once()  # before any Trainer code: an untested transformers fails here in one line
         # The next class's own signature says which argument is the model (DPOTrainer's second is ref_model).
         bound = _bind(super().__init__, trainer_args, trainer_kwargs)
         model, args = bound.arguments.get("model"), bound.arguments.get("args")

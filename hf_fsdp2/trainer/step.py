@@ -12,6 +12,8 @@ parts' (`trainer_sharding`, `trainer_checkpoint`). Every private Trainer hook it
   this rank's slice of that member's rows, inside Ulysses attention (tests/test_sequence_parallel.py).
 - `create_optimizer`: reshard first, because a forward under no_grad (evaluate) leaves the root and the last block
   gathered and an optimizer built then holds the wrong tensors (tests/test_trainer.py evaluate-then-train).
+  transformers 5.24's `_prepare_for_training` reshards FSDP modules itself before `create_optimizer` for models
+  sharded before Trainer sees them; the second reshard is a no-op, and ours still covers 5.23.
   `args.optim` must have a verdict that is not "refused" (`optimizers.OPTIM_VERDICTS`), and the optimizer built (or
   passed in `optimizers`) is made exact on shards in place: torch.optim.Muon and transformers' Adafactor become
   their shard-exact twins, bitsandbytes' step each rank's local shard (tests/test_muon.py, tests/test_optimizers.py).

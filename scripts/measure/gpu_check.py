@@ -243,13 +243,14 @@ def install_wheels(folder: str, workdir: str, env: dict) -> dict:
 
 def fetch_wheels(folder: str) -> None:
     """Download (on a machine with the package registry) the wheels a bare GPU image needs: every requirement of
-    setup.cfg but torch, and the qlora extra, at the versions installed here, for the image's Python 3.12."""
-    import configparser
+    the package but torch (hf_fsdp2/requirements/core.txt), and the qlora extra, at the versions installed here, for
+    the image's Python 3.12."""
     from importlib.metadata import version
 
-    config = configparser.ConfigParser()
-    config.read(os.path.join(ROOT, "setup.cfg"))
-    lines = config["options"]["install_requires"].split("\n") + config["options.extras_require"]["qlora"].split("\n")
+    lines = []
+    for name in ("core.txt", "qlora.txt"):
+        with open(os.path.join(ROOT, "hf_fsdp2", "requirements", name)) as f:
+            lines += [line.split("#", 1)[0] for line in f]
     names = [line.split(">")[0].split("=")[0].split("<")[0].strip() for line in lines if line.strip()]
     # datasets' pins the image may not meet; huggingface_hub and tokenizers are left as the image has them.
     names += ["dill", "multiprocess", "fsspec", "regex"]

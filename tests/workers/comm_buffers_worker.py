@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from hf_fsdp2 import FSDP2Config
 from hf_fsdp2.sharding.comm_buffers import BufferPool, PooledAllGather
+from hf_fsdp2.sharding.gathering import param_groups
 from hf_fsdp2.sharding.units import shard_model
 from tests.tiny_models import VOCAB, llama
 
@@ -37,7 +38,7 @@ def build(pooled: bool) -> tuple[torch.nn.Module, BufferPool | None]:
             module.set_custom_all_gather(DefaultAllGather())
             module.set_custom_reduce_scatter(DefaultReduceScatter())
         return model, None
-    comm = modules[0]._get_fsdp_state()._fsdp_param_groups[0]._all_gather_comm
+    comm = param_groups(modules[0]._get_fsdp_state())[0]._all_gather_comm  # torch 2.11 and 2.13 alike
     assert isinstance(comm, PooledAllGather), f"shard_model on a CPU mesh left {type(comm).__name__}"
     return model, comm.pool
 
