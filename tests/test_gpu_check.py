@@ -71,27 +71,24 @@ def test_a_part_that_would_not_fit_the_budget_is_skipped_and_says_so(tmp_path, m
         assert json.load(f)["parts"]["throughput"]["status"].startswith("skipped")
 
 
-def test_docs_gpu_table_is_the_committed_h100_run():
-    """docs/performance.md's GPU tables are rendered from scripts/results/gpu_h100.json, never typed: re-render
-    with `python scripts/measure/gpu_check.py --from-json scripts/results/gpu_h100.json`."""
-    with open(os.path.join(ROOT, "scripts", "results", "gpu_h100.json")) as f:
+@pytest.mark.parametrize(("results_file", "marker", "device"), [
+    ("gpu_h100.json", "gpu", "NVIDIA H100 80GB HBM3"),
+    ("gpu_h200.json", "gpu-h200", "NVIDIA H200"),
+])  # fmt: skip
+def test_docs_gpu_tables_are_the_committed_runs(results_file, marker, device):
+    """docs/performance.md's GPU tables are rendered from scripts/results/gpu_*.json, never typed: re-render with
+    `python scripts/measure/gpu_check.py --from-json scripts/results/gpu_h100.json` (or gpu_h200.json)."""
+    with open(os.path.join(ROOT, "scripts", "results", results_file)) as f:
         results = json.load(f)
     with open(os.path.join(ROOT, "docs", "performance.md")) as f:
         page = f.read()
-    begin, end = "<!-- gpu:begin -->\n", "<!-- gpu:end -->"
+    begin, end = f"<!-- {marker}:begin -->\n", f"<!-- {marker}:end -->"
     block = page[page.index(begin) + len(begin) : page.index(end)]
     assert block.strip() == gpu_check.render_markdown(results).strip()
-    assert results["environment"]["device_name"] == "NVIDIA H100 80GB HBM3"
+    assert results["environment"]["device_name"] == device
 
 
-def test_docs_second_gpu_table_is_the_committed_h200_run():
-    """The H200 check's tables in docs/performance.md are rendered from scripts/results/gpu_h200.json."""
+def test_the_h200_check_drove_every_collective_path_through_nccl():
     with open(os.path.join(ROOT, "scripts", "results", "gpu_h200.json")) as f:
-        results = json.load(f)
-    with open(os.path.join(ROOT, "docs", "performance.md")) as f:
-        page = f.read()
-    begin, end = "<!-- gpu-h200:begin -->\n", "<!-- gpu-h200:end -->"
-    block = page[page.index(begin) + len(begin) : page.index(end)]
-    assert block.strip() == gpu_check.render_markdown(results).strip()
-    assert results["parts"]["collectives"]["runs"]["collective paths"]["backend"] == "nccl"
-    assert set(results["parts"]["collectives"]["runs"]["collective paths"]["paths"].values()) == {"ok"}
+        paths = json.load(f)["parts"]["collectives"]["runs"]["collective paths"]
+    assert paths["backend"] == "nccl" and set(paths["paths"].values()) == {"ok"}
