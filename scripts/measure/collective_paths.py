@@ -189,6 +189,18 @@ def nf4_block_statistics() -> None:
 
 
 @path
+def sequence_parallel_rows() -> None:
+    """Each member's rows gathered over the sequence group, and this rank's slice of each (a group of all ranks)."""
+    from hf_fsdp2.long_rows.sequence_parallel import SequenceParallel
+
+    world, device = dist.get_world_size(), distributed.get_device()
+    ids = torch.arange(4 * world, device=device).reshape(1, -1)
+    inputs = {"input_ids": ids, "labels": ids.clone(), "position_ids": torch.arange(ids.shape[1], device=device)[None]}
+    parts = list(SequenceParallel(world, "sdpa").parts(inputs, ids.numel()))
+    assert len(parts) == world and all(part.inputs["input_ids"].shape[1] == 4 for part in parts)
+
+
+@path
 def checkpoint_parts() -> None:
     """A sharded save of model and optimizer, synchronous and asynchronous (DCP over the save groups)."""
     from hf_fsdp2.checkpoints.sharded import PartSavers, sharded_parts, wait_for_writes, write_parts
