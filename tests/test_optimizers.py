@@ -21,7 +21,23 @@ from tests.launch import load_runs, run
 
 TOLERANCE = 1e-5
 RESUMED = ["adafactor", "lion_32bit", "ademamix"]  # one of each kind that needs an adapter, resumed
-TORCHAO = ["adamw_torch_8bit", "adamw_torch_4bit"]  # each in its own launch and compile cache (see the fixture)
+# One parity run per family: values of a family step the shards through the same code (the family's optimizer class
+# or base, adapted alike), so the other members are built over the shards and checked for that treatment instead.
+FAMILIES = {
+    "adamw_torch": ("adamw_torch_fused", "sgd", "adagrad", "rmsprop"),  # torch.optim, elementwise
+    "schedule_free_adamw": ("schedule_free_radam", "schedule_free_sgd"),
+    "lomo": (),  # LOMO's fused update in backward
+    "grokadamw": (),
+    "stable_adamw": (),  # torch-optimi
+    "adamw_anyprecision": (),  # torchdistx
+    # bitsandbytes on local shards
+    "lion_32bit": ("paged_adamw_32bit", "paged_lion_32bit", "ademamix", "paged_ademamix_32bit", "rmsprop_bnb",
+                   "rmsprop_bnb_32bit"),
+    "adafactor": (),  # statistics summed over the shard group
+    "galore_adamw": (),  # GaLore's SVD on the DTensor
+    "adamw_torch_8bit": ("adamw_torch_4bit",),  # torchao's low-bit AdamW
+}  # fmt: skip
+TORCHAO = ["adamw_torch_8bit"]  # in its own launch and compile cache (see its test)
 
 
 # torch-optimi 0.3 decides Triton or not before it has collected a group's params (all() of none is True), so with
@@ -58,7 +74,14 @@ def test_refused_and_unknown_values_fail_naming_the_value_the_reason_and_an_alte
 
 
 def _trained_values() -> list[str]:
-    return [n for n, v in OPTIM_VERDICTS.items() if v.kind != "refused" and n not in TORCHAO and installed(n)]
+    return [n for n in FAMILIES if n not in TORCHAO and installed(n)]
+
+
+def test_every_accepted_value_has_a_family_with_a_parity_run():
+    accepted = {n for n, v in OPTIM_VERDICTS.items() if v.kind != "refused"}
+    assert set(FAMILIES) <= accepted
+    for name in accepted - set(FAMILIES):
+        assert any(name in members for members in FAMILIES.values()), f"{name} belongs to no family"
 
 
 def _refused_values() -> list[str]:
@@ -87,8 +110,8 @@ def _difference(expected: dict, actual: dict) -> float:
     return worst
 
 
-@pytest.mark.parametrize("optim", [n for n, v in OPTIM_VERDICTS.items() if v.kind != "refused" and n not in TORCHAO])
-def test_each_accepted_value_trains_at_2_ranks_as_plain_trainer_in_one_process(trained, optim):
+@pytest.mark.parametrize("optim", [n for n in FAMILIES if n not in TORCHAO])
+def test_each_family_trains_at_2_ranks_as_plain_trainer_in_one_process(trained, optim):
     if not installed(optim):
         pytest.skip(f"needs {OPTIM_VERDICTS[optim].package}")
     if optim.startswith("stable_adamw") and OPTIM_TRITON_ON_CPU:
@@ -199,3 +222,24 @@ def test_optimizers_are_judged_by_class_and_a_subclass_takes_its_bases_verdict_w
             adapt_optimizer(bnb.optim.Adam(overridden))
     finally:
         manager.pid2config.pop(id(overridden[0]), None)
+
+
+@pytest.mark.parametrize("optim", [n for n, v in OPTIM_VERDICTS.items() if v.kind != "refused" and n not in FAMILIES])
+def test_every_other_accepted_value_is_built_over_the_shards_with_its_familys_treatment(tmp_path, tiny, optim):
+    """A family's other members: built by FSDP2Trainer over the sharded parameters and adapted as the family is."""
+    if not installed(optim):
+        pytest.skip(f"needs {OPTIM_VERDICTS[optim].package}")
+    from torch.distributed.tensor import DTensor
+    from transformers import AutoModelForCausalLM, TrainingArguments
+
+    from hf_fsdp2 import FSDP2Config, FSDP2Trainer
+
+    args = TrainingArguments(str(tmp_path), optim=optim, report_to=[], use_cpu=True, learning_rate=1e-3)
+    model = AutoModelForCausalLM.from_pretrained(tiny("llama"))
+    trainer = FSDP2Trainer(model, args, fsdp2_config=FSDP2Config(consolidate_on_train_end=False))
+    optimizer = trainer.create_optimizer()
+    optimizer = getattr(optimizer, "optimizer", optimizer)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    assert params and all(isinstance(p, DTensor) for p in params), "stepping the sharded parameters"
+    kind = OPTIM_VERDICTS[optim].kind
+    assert (type(optimizer).__name__.startswith("LocalShards")) == (kind == "local_shards"), type(optimizer)
