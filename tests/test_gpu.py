@@ -54,20 +54,18 @@ def test_two_gpus_bf16_track_one_gpu(tmp_path, tiny):
 
 @needs_two_gpus
 def test_two_gpus_load_exactly_and_resume(tmp_path, tiny):
-    out = tmp_path / "run"
-    run("train_worker.py", 2, "--model", tiny("llama_tied"), "--out", str(out), "--save-steps", "2", "--steps", "4")
-    run(
-        "train_worker.py",
-        2,
-        "--model",
-        tiny("llama_tied"),
-        "--out",
-        str(out),
-        "--save-steps",
-        "2",
-        "--steps",
-        "4",
-        "--resume",
-        os.path.join(out, "run", "checkpoint-2"),
-    )
-    assert load_result(str(out))["steps"][-1] == 4
+    """Over nccl: each rank's slices hold exactly what from_pretrained loads, and a run resumed from its checkpoint-2
+    takes steps 3 and 4 as the uninterrupted run took them."""
+    from tests.test_loading_distributed import assert_exactly, reference
+
+    loaded = tmp_path / "loaded"
+    run("load_worker.py", 2, "--model", tiny("llama_tied"), "--out", str(loaded), "--route", "path")
+    assert_exactly(torch.load(loaded / "state.pt"), reference(tiny("llama_tied")))
+    common = ("--model", tiny("llama_tied"), "--save-steps", "2", "--steps", "4")
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    run("train_worker.py", 2, *common, "--out", str(whole))
+    checkpoint = os.path.join(whole, "run", "checkpoint-2")
+    run("train_worker.py", 2, *common, "--out", str(resumed), "--run-dir", str(resumed / "run"), "--resume", checkpoint)
+    expected, got = load_result(str(whole))["losses"], load_result(str(resumed))["losses"]
+    assert load_result(str(resumed))["steps"][-1] == 4
+    assert got == pytest.approx(expected[-len(got) :], abs=1e-5)
