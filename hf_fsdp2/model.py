@@ -57,8 +57,9 @@ def prepare_model(
 ) -> nn.Module:
     """Shard `model` (a meta skeleton or an object with weights) and load every rank's part of its weights.
 
-    `facts` is the caller's description of `model` if it already made one (the trainer does, for its checks);
-    it is attached to the model and handed down to loading, sharding, checkpoints and export.
+    `facts` is the caller's description of `model` if it already made one (the trainer does, for its checks, which
+    include `check_supported`); it is attached to the model and handed down to loading, sharding, checkpoints and
+    export.
 
     A model this function already sharded (a second trainer on the same model) is returned as it is when
     it was sharded the same way; otherwise ValueError names what differs.
@@ -79,8 +80,9 @@ def prepare_model(
             "accelerator (parameters already live in host memory); remove cpu_offload."
         )
     _refuse_bitsandbytes(model)
+    vetted = facts is not None  # NOTE: a caller that described the model has checked its PEFT methods (one check)
     facts = describe(model, facts)
-    if facts.is_peft:
+    if facts.is_peft and not vetted:
         check_supported(model)
     mesh = build_mesh(config.hsdp_replicate_size)
     if config.base_quantization == "nf4" or (facts.source is not None and facts.source.quantization == "nf4"):

@@ -34,10 +34,10 @@ FACTORIES = {
 COLLECTIVES = (
     "all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
     "reduce_scatter", "gather", "scatter", "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv",
-    # Counted only (they pick their own devices): objects, barriers.
-    "all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list", "barrier",
-    "monitored_barrier",
 )  # fmt: skip
+# Counted only: they pickle their payload (whatever its device) or carry none, and pick their own tensors' device.
+COUNTED = ("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list", "barrier",
+           "monitored_barrier")  # fmt: skip
 
 
 class HostTensorMarks(TorchFunctionMode):
@@ -103,7 +103,7 @@ class CollectiveAudit:
             group = bound.arguments.get("group")
             self.calls.append(name)
             # NOTE: on the CPU every group is gloo; on GPUs every group but those made for the host is NCCL.
-            if not made_for_host(group):
+            if name not in COUNTED and not made_for_host(group):
                 wrong = [t for t in _tensors(dict(bound.arguments)) if self.marks.is_marked(t)]
                 if wrong:
                     where = "".join(traceback.format_stack(limit=6)[:-1])
@@ -121,7 +121,7 @@ def audited() -> Iterator[CollectiveAudit]:
     """Inside: collectives are checked and counted (see the module docstring)."""
     marks = HostTensorMarks()
     audit = CollectiveAudit(marks)
-    originals = {name: getattr(dist, name) for name in COLLECTIVES}
+    originals = {name: getattr(dist, name) for name in COLLECTIVES + COUNTED}
     for name, original in originals.items():
         setattr(dist, name, audit.wrap(name, original))
     try:

@@ -279,7 +279,7 @@ def test_dcp_files_are_written_through_direct_io(tmp_path, monkeypatch):
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from hf_fsdp2 import checkpoint
+    from hf_fsdp2.checkpoints import sharded as checkpoint
     from hf_fsdp2.checkpoints.direct_io import DirectStream
 
     written = []
@@ -307,7 +307,8 @@ def test_a_full_disk_fails_the_dcp_save_loudly(tmp_path, monkeypatch):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from hf_fsdp2 import checkpoint, direct_io
+    from hf_fsdp2.checkpoints import direct_io
+    from hf_fsdp2.checkpoints import sharded as checkpoint
 
     def full_disk(fd: int, data: memoryview, offset: int) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")

@@ -60,7 +60,7 @@ def test_generate_gathers_per_token_when_the_gathered_model_would_not_fit(monkey
     """The decision is agreed by every rank; when the whole model would not fit it falls back, saying so once."""
     from torch import nn
 
-    from hf_fsdp2 import collective_methods
+    from hf_fsdp2.sharding import collective_methods
 
     model = nn.Linear(2, 2)
     monkeypatch.setattr(collective_methods, "gathered_bytes", lambda m: 10 * 2**30)

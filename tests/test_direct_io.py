@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from hf_fsdp2 import direct_io
+from hf_fsdp2.checkpoints import direct_io
 from hf_fsdp2.checkpoints.direct_io import BLOCK, DirectFileWriter
 
 # Sizes around the block and the chunk (two blocks here), an empty write, and one spanning many chunks.

@@ -13,7 +13,7 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-from hf_fsdp2 import distcp_reader
+from hf_fsdp2.checkpoints import distcp_reader
 from hf_fsdp2.checkpoints.distcp_reader import SafeFileSystemReader
 from hf_fsdp2.checkpoints.sharded import OPTIMIZER_DIR, OPTIMIZER_KEY, load_in_place, read_metadata, resume_optimizer
 

@@ -154,7 +154,7 @@ def test_prompt_tuning_initialized_from_the_vocabulary_on_a_skeleton_is_refused(
     # peft draws from the vocabulary's embeddings, which a skeleton does not have: replaying it would give zeros.
     model.peft_config["default"].prompt_tuning_init = "SAMPLE_VOCAB"
     with pytest.raises(ValueError, match="prompt_tuning_init='SAMPLE_VOCAB' .* meta skeleton"):
-        check_replayable(model)
+        check_replayable(model, from_pretrained(tiny(MODEL)))
 
 
 TOKEN_CONFIGS = {
@@ -180,4 +180,3 @@ def test_trainable_tokens_on_a_skeleton_start_as_peft_starts_them_on_the_real_ba
     assert len(want) == 2 and want.keys() == got.keys()
     for name, tensor in got.items():
         assert torch.equal(tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor, want[name]), name
-        check_replayable(model, from_pretrained(tiny(MODEL)))

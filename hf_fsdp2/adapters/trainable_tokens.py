@@ -41,6 +41,17 @@ def starts_from_base_rows(model: nn.Module, adapter: str) -> bool:
     return config.peft_type.value != "TRAINABLE_TOKENS" or bool(config.init_weights)
 
 
+def rows_read_from_the_checkpoint(model: nn.Module) -> set[str]:
+    """Names of the tensors `initial_token_values` gives: their values come from the checkpoint, not from a replay."""
+    names = set()
+    for layer_name, layer in token_layers(model).items():
+        for adapter in layer.token_indices:
+            names.add(f"{layer_name}.{_ORIGINAL}.{adapter}")
+            if starts_from_base_rows(model, adapter):
+                names.add(f"{layer_name}.{_DELTA}.{adapter}")
+    return names
+
+
 def initial_token_values(model: nn.Module, read_rows: RowReader) -> dict[str, torch.Tensor]:
     """The values peft gives trainable tokens on a real base, by `model`'s tensor names.
 

@@ -59,7 +59,7 @@ class FSDP2Mixin(PreemptionMixin, ShardingMixin, StepMixin, CheckpointMixin, Res
     def __init__(self, *trainer_args: Any, fsdp2_config: FSDP2Config | None = None, **trainer_kwargs: Any) -> None:
         check_versions_once()  # before any Trainer code: an untested transformers fails here in one line
         # The next class's own signature says which argument is the model (DPOTrainer's second is ref_model).
-        bound = _bind(super().__init__, trainer_args, trainer_kwargs)
+        bound = _bind(_trainer_init(type(self)), trainer_args, trainer_kwargs)
         model, args = bound.arguments.get("model"), bound.arguments.get("args")
         validate_arguments(model, bound.arguments)
         init_distributed()
@@ -115,12 +115,21 @@ _DEFAULT_SEED: int = TrainingArguments.__dataclass_fields__["seed"].default
 _NO_INIT_KWARGS = object()
 
 
+def _trainer_init(cls: type) -> Callable[..., None]:
+    """The `__init__` of the first class after FSDP2Mixin's own parts in `cls`'s MRO: the trainer it is mixed into
+    (Trainer, SFTTrainer, a user's subclass), whose signature names the arguments (our parts take `*args`)."""
+    mro, ours = cls.__mro__, set(FSDP2Mixin.__mro__) - {object}
+    after = mro[mro.index(FSDP2Mixin) + 1 :]
+    return next(klass.__init__ for klass in after if klass not in ours and "__init__" in vars(klass))
+
+
 def _bind(init: Callable[..., None], args: tuple[Any, ...], kwargs: dict[str, Any]) -> inspect.BoundArguments:
     """Bind a trainer's constructor arguments by name; `(*args, **kwargs)` constructors bind as Trainer's."""
     signature = inspect.signature(init)
     if "model" not in signature.parameters:
         signature = inspect.signature(Trainer.__init__)
-        signature = signature.replace(parameters=list(signature.parameters.values())[1:])  # without self
+    # Without self: the init is the class's function, not a bound method.
+    signature = signature.replace(parameters=[p for name, p in signature.parameters.items() if name != "self"])
     return signature.bind_partial(*args, **kwargs)
 
 

@@ -30,6 +30,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from transformers import TrainingArguments
 
+from ..adapters.methods import check_supported
 from ..checkpoints.adapters import check_mergeable, check_trainable_are_saved
 from ..config import FSDP2Config
 from ..distributed import log_rank0
@@ -87,7 +88,8 @@ class ShardingMixin:
     def _shard(self, model: nn.Module) -> nn.Module:
         """Check, then shard `model` and load its weights; remember parameter names to re-point an optimizer."""
         facts = facts_of(model) if isinstance(model, FSDPModule) else describe(model)
-        if facts.is_peft:  # NOTE: which PEFT methods shard at all is prepare_model's check (check_supported)
+        if facts.is_peft:
+            check_supported(model)  # first: a method we refuse is named before what its parameters would break
             check_trainable_are_saved(model)
             if self.fsdp2_config.merge_adapters_on_save:
                 check_mergeable(model)

@@ -20,7 +20,8 @@ import torch.distributed as dist
 from peft import LoraConfig, get_peft_model
 from transformers import TrainingArguments
 
-from hf_fsdp2 import FSDP2Trainer, collective_methods, from_pretrained
+from hf_fsdp2 import FSDP2Trainer, from_pretrained
+from hf_fsdp2.sharding import collective_methods
 from tests.workers.train_worker import make_dataset
 
 MODEL, OUT, MODE = sys.argv[1:4]

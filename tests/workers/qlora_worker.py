@@ -178,7 +178,7 @@ def trl_run(kind: str) -> dict[str, Any]:
 def failed_read(key: str) -> dict[str, Any]:
     """Rank 1 alone fails to read `key` (an I/O error injected into its reader): every rank must raise, naming
     it, instead of rank 0 waiting forever in the next collective (an NF4 weight: its absmax all-gather)."""
-    from hf_fsdp2 import loading
+    from hf_fsdp2.loading import weights as loading
 
     original = loading.SliceReader.read_data
 
