@@ -206,3 +206,22 @@ def load_result(out: str) -> dict[str, Any]:
     """Read the result.json rank 0 wrote."""
     with open(os.path.join(out, "result.json")) as f:
         return json.load(f)
+
+
+# Modules a command-line call must not import: the training stack (and torchao, the qlora extra).
+HEAVY_IMPORTS = (
+    "transformers.modeling_utils", "transformers.trainer", "peft", "datasets", "accelerate", "trl", "torchao",
+)  # fmt: skip
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    """`python -m hf_fsdp2.cli ARGS` in a fresh interpreter; its last stdout line names the heavy modules it imported
+    ("IMPORTED" alone when none)."""
+    code = (
+        "import runpy, sys\n"
+        "try:\n"
+        "    runpy.run_module('hf_fsdp2.cli', run_name='__main__', alter_sys=True)\n"
+        "finally:\n"
+        f"    print('IMPORTED', *[m for m in {HEAVY_IMPORTS!r} if m in sys.modules])\n"
+    )
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=ROOT)

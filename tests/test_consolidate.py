@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from hf_fsdp2 import consolidate
-from tests.launch import load_result, run
+from tests.launch import load_result, run, run_cli
 
 PROBE = torch.tensor([[5, 9, 13, 17, 21, 25, 29, 33]])
 
@@ -49,21 +49,12 @@ def test_end_of_training_folder_reloads_with_equal_logits(trained):
 
 # What the consolidation command must not import: together they took ~4.5 s of its ~7.5 s at 100M on 2 cores, when
 # `accelerate merge-weights` needed 5 s in all (scripts/benchmark/benchmark.py's "consolidation command" row).
-HEAVY_IMPORTS = ("transformers.modeling_utils", "transformers.trainer", "peft", "datasets", "accelerate", "torchao")
 
 
 def test_cli_consolidates_the_last_checkpoint_into_a_loadable_folder_without_the_training_stack(trained, tmp_path):
     output = tmp_path / "hf"
     # The real entry point's module run as `python -m hf_fsdp2.cli`, then the modules the process imported.
-    code = (
-        "import runpy, sys\n"
-        "try:\n"
-        "    runpy.run_module('hf_fsdp2.cli', run_name='__main__', alter_sys=True)\n"
-        "finally:\n"
-        f"    print('IMPORTED', *[m for m in {HEAVY_IMPORTS!r} if m in sys.modules])\n"
-    )
-    cli = [sys.executable, "-c", code, "consolidate", os.path.join(trained, "run", "checkpoint-4"), str(output)]
-    proc = subprocess.run(cli, capture_output=True, text=True)
+    proc = run_cli("consolidate", os.path.join(trained, "run", "checkpoint-4"), str(output))
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines()[-1] == "IMPORTED"
     assert sorted(os.listdir(output)) == ["config.json", "generation_config.json", "model.safetensors"]

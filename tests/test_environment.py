@@ -4,26 +4,15 @@ from __future__ import annotations
 
 import os
 import platform
-import subprocess
-import sys
 from importlib import metadata
 
 import torch
 
 from hf_fsdp2 import __version__
 from hf_fsdp2.environment import report
+from tests.launch import run_cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# What `hf-fsdp2 env` must not import: seconds each on 2 cores, and none of it is needed to name versions.
-HEAVY_IMPORTS = (
-    "transformers.modeling_utils",
-    "transformers.trainer",
-    "peft",
-    "datasets",
-    "accelerate",
-    "trl",
-    "torchao",
-)
 
 
 def rows_of(text: str) -> dict[str, list[str]]:
@@ -47,14 +36,7 @@ def test_the_report_names_every_field_and_marks_the_range():
 
 
 def test_the_command_reports_this_environment_without_the_training_stack():
-    code = (
-        "import runpy, sys\n"
-        "try:\n"
-        "    runpy.run_module('hf_fsdp2.cli', run_name='__main__', alter_sys=True)\n"
-        "finally:\n"
-        f"    print('IMPORTED', *[m for m in {HEAVY_IMPORTS!r} if m in sys.modules])\n"
-    )
-    proc = subprocess.run([sys.executable, "-c", code, "env"], capture_output=True, text=True, cwd=ROOT)
+    proc = run_cli("env")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines()[-1] == "IMPORTED"
     rows = rows_of(proc.stdout)
