@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import platform
 from importlib import metadata
 
@@ -11,8 +10,6 @@ import torch
 from hf_fsdp2 import __version__
 from hf_fsdp2.environment import report
 from tests.launch import run_cli
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def rows_of(text: str) -> dict[str, list[str]]:
