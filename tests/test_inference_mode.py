@@ -18,9 +18,17 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     return load_runs(out, "1", "2")
 
 
+INFERENCE_TENSOR_ERRORS = (
+    "Inference tensors do not track version counter.",
+    "Inplace update to inference tensor outside InferenceMode",
+)
+
+
 def test_plain_fully_shard_breaks_under_inference_mode(runs):
     """The cause the switch exists for: FSDP2's lazily allocated gather buffers become inference tensors."""
-    assert runs["1"]["without_switch"]["error"] == "Inference tensors do not track version counter."
+    # Either of torch's two inference-tensor errors: at one rank torch 2.13 raises the first, torch 2.15 the second
+    # (seen in the 2.15 x transformers 5.23 run of 2026-11-27); 2 ranks raise the second on both.
+    assert runs["1"]["without_switch"]["error"].startswith(INFERENCE_TENSOR_ERRORS)
     at_two = runs["2"]["without_switch"]
     assert at_two["max_diff"] == 0.0  # the inference forwards themselves work at 2 ranks...
     assert at_two["error"].startswith("Inplace update to inference tensor outside InferenceMode")  # ...training not
