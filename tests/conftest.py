@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import tempfile
@@ -71,7 +72,7 @@ def hf_fsdp2_records():
 
 
 # Modules that take longest start first, so the two workers (setup.cfg: -n 2 --dist loadfile) end together.
-SLOWEST_FIRST = ("test_parity", "test_failures", "test_benchmark", "test_dropin", "test_readme", "test_checkpoint")
+SLOWEST_FIRST = ("test_benchmark", "test_readme", "test_failures", "test_gpu_check", "test_parity", "test_memory_plan")
 
 
 def _start_rank(item: pytest.Item) -> int:
@@ -88,3 +89,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Leave what collection imported out of every later garbage collection (see tests/launch.py: each
+    Trainer.train() runs a full gc.collect(), and tests that train in this process pay it over that heap)."""
+    gc.freeze()

@@ -163,8 +163,8 @@ def test_torchao_low_bit_adamw_trains_on_shards(tmp_path, monkeypatch, optim):
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     config = LlamaConfig(
-        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0,
+        vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=64, pad_token_id=0,
     )  # fmt: skip
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
