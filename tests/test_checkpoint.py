@@ -362,3 +362,16 @@ def test_every_async_save_of_a_run_holds_exactly_its_state(tmp_path, stager):
         assert result["compared"] == 3 * 16  # per save: 4 weights and biases; AdamW's step, exp_avg, exp_avg_sq each
         if stager == "self-closing":
             assert result["reuses_stagers"] is False
+
+
+def test_a_full_state_file_of_another_shape_is_refused_naming_the_tensor_before_any_is_copied(tmp_path):
+    """A FULL_STATE_DICT checkpoint (Accelerate's `pytorch_model_fsdp.bin`) from a model with other sizes."""
+    import torch
+
+    from hf_fsdp2.checkpoints.full_state import FULL_MODEL_FILE, load_full_model_state
+
+    torch.save({"a": torch.ones(2), "b": torch.ones(3, 4)}, tmp_path / FULL_MODEL_FILE)
+    live = {"a": torch.zeros(2), "b": torch.zeros(4, 4)}
+    with pytest.raises(ValueError, match=r"^b has shape \(3, 4\) in .* but \(4, 4\) in the model\.$"):
+        load_full_model_state(live, str(tmp_path))
+    assert live["a"].sum() == 0, "nothing is copied before every shape is checked"

@@ -25,7 +25,7 @@ from ..adapters.nf4 import is_nf4
 from ..adapters.trainable_tokens import token_layers
 from ..distributed import is_rank0, warn_rank0
 from ..loading.facts import facts_of
-from ..loading.weights import copy_full_into
+from ..loading.weights import copy_full_into, shape_mismatch
 from .sharded import MODEL_KEY, load_in_place, model_dir, read_metadata, validate_checkpoint
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -173,12 +173,13 @@ def _check_matches(stored: dict[str, torch.Tensor], live: dict[str, torch.Tensor
             f"the adapter in {folder} does not fit this model: missing {missing[:3]}, unexpected {extra[:3]}. "
             "It was saved with another adapter config (target_modules, modules_to_save) or another base model."
         )
-    for key, tensor in live.items():
-        if tuple(stored[key].shape) != tuple(tensor.shape):
-            raise ValueError(
-                f"{key} has shape {tuple(stored[key].shape)} in {folder} but {tuple(tensor.shape)} in the model: the "
-                "adapter was trained on another base model (other hidden sizes) or with another rank r."
-            )
+    mismatch = shape_mismatch(stored, live)
+    if mismatch is not None:
+        key, saved, wanted = mismatch
+        raise ValueError(
+            f"{key} has shape {saved} in {folder} but {wanted} in the model: the adapter was trained on another "
+            "base model (other hidden sizes) or with another rank r."
+        )
 
 
 def _warn_if_other_base(model: nn.Module, adapter: str, folder: str) -> None:

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-from ..loading.weights import copy_full_into
+from ..loading.weights import copy_full_into, shape_mismatch
 
 FULL_MODEL_FILE = "pytorch_model_fsdp.bin"
 FULL_OPTIMIZER_FILE = "optimizer.bin"
@@ -50,11 +50,11 @@ def load_full_model_state(state: dict[str, torch.Tensor], checkpoint: str) -> No
             f"{path} lacks {len(missing)} of this model's tensors (e.g. {missing[:3]}): it was saved from another "
             "model (or, for LoRA, holds only the adapter: resume it with the same PEFT model)."
         )
+    mismatch = shape_mismatch(stored, state)
+    if mismatch is not None:
+        name, saved, wanted = mismatch
+        raise ValueError(f"{name} has shape {saved} in {path} but {wanted} in the model.")
     for name, tensor in state.items():
-        if tuple(stored[name].shape) != tuple(tensor.shape):
-            raise ValueError(
-                f"{name} has shape {tuple(stored[name].shape)} in {path} but {tuple(tensor.shape)} in the model."
-            )
         copy_full_into(tensor, stored[name])
 
 

@@ -17,7 +17,7 @@ import ctypes
 import functools
 import glob
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -296,6 +296,16 @@ def copy_full_into(target: torch.Tensor, full: torch.Tensor) -> None:
         target.to_local().copy_(local.to_local())
     else:
         target.copy_(full)
+
+
+def shape_mismatch(
+    stored: Mapping[str, torch.Tensor], live: Mapping[str, torch.Tensor]
+) -> tuple[str, tuple, tuple] | None:
+    """The first tensor of `live` that `stored` holds with another shape: (name, stored shape, live shape)."""
+    for name, tensor in live.items():
+        if tuple(stored[name].shape) != tuple(tensor.shape):
+            return name, tuple(stored[name].shape), tuple(tensor.shape)
+    return None
 
 
 def read_safetensors_shards(model: nn.Module, path: str, plan: SafetensorsPlan, device: torch.device) -> None:

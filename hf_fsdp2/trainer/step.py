@@ -24,6 +24,7 @@ parts' (`trainer_sharding`, `trainer_checkpoint`). Every private Trainer hook it
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from collections.abc import Iterator
 from typing import Any
@@ -50,8 +51,6 @@ class StepMixin:
     `_sequence_parallel` and `_original_names`."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self._chunk_target: nn.Module | None = None
-        self._chunk_target_decided = False
         super().__init__(*args, **kwargs)
         if self.fsdp2_config.sequence_parallel_size > 1:
             _check_sequence_parallel_trainer(self)
@@ -118,7 +117,7 @@ class StepMixin:
         """Trainer's loss (its LM head and cross entropy in chunks with `loss_chunk_size`); for an MoE model, its
         router loss over the global batch, as in one process."""
         training = model.training and torch.is_grad_enabled()
-        target = self._chunked_loss_target() if training and "labels" in inputs else None
+        target = self._chunked_loss_target if training and "labels" in inputs else None
         chunks = self.fsdp2_config.effective_loss_chunk_size
         with chunked_loss(target, chunks) if target is not None else contextlib.nullcontext():
             if router_config(self.model) is None or not training:
@@ -127,22 +126,20 @@ class StepMixin:
         loss = correct_router_loss(loss, outputs, self.model, inputs, self._loss_scale(num_items_in_batch))
         return (loss, outputs) if return_outputs else loss
 
+    @functools.cached_property
     def _chunked_loss_target(self) -> nn.Module | None:
-        """The causal LM whose loss is chunked (`loss_chunk_size`), or None; why not is logged once."""
+        """The causal LM whose loss is chunked (`loss_chunk_size`), or None; decided (and why not logged) once."""
         if self.fsdp2_config.effective_loss_chunk_size is None:
             return None
-        if not self._chunk_target_decided:
-            model = unwrap_peft(self.model)
-            reason = why_not_chunked(model)
-            if reason is None and self.args.label_smoothing_factor:
-                reason = "label smoothing reads the full logits"
-            if reason is None and (self.compute_loss_func is not None or _own_compute_loss(self)):
-                reason = f"{type(self).__name__} computes the loss from the logits itself"
-            if reason is not None:
-                log_unchunked(model, reason)
-            self._chunk_target = None if reason is not None else model
-            self._chunk_target_decided = True
-        return self._chunk_target
+        model = unwrap_peft(self.model)
+        reason = why_not_chunked(model)
+        if reason is None and self.args.label_smoothing_factor:
+            reason = "label smoothing reads the full logits"
+        if reason is None and (self.compute_loss_func is not None or _own_compute_loss(self)):
+            reason = f"{type(self).__name__} computes the loss from the logits itself"
+        if reason is not None:
+            log_unchunked(model, reason)
+        return None if reason is not None else model
 
     def _loss_scale(self, num_items_in_batch: Any) -> float:
         """The factor Trainer.compute_loss multiplied the model's loss by (its own condition, read back)."""

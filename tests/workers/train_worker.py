@@ -339,7 +339,7 @@ def train(argv: list[str]) -> None:
         for name, module in trainer.model.named_modules()
         if isinstance(module, FSDPModule) and module._get_fsdp_state()._fsdp_param_group is not None
     }
-    result["loss_chunked"] = getattr(trainer, "_chunk_target", None) is not None
+    result["loss_chunked"] = getattr(trainer, "_chunked_loss_target", None) is not None
     result["eval_after"] = trainer.evaluate()["eval_loss"]
     probe = torch.tensor([[5, 9, 13, 17, 21, 25, 29, 33]], device=training_args.device)
     trainer.model.eval()
