@@ -142,6 +142,8 @@ def _skeleton_if_trainer_gets(path: str | None, build: Callable[[], nn.Module]) 
         return
     original = Trainer.__dict__["__init__"]
 
+    # NOTE: swapped on the class, so only inside skeletons_for_paths' window, which refuses a second trainer built
+    # meanwhile; any other Trainer.__init__ call in that window goes through unchanged unless its model is this path.
     def init(trainer: Trainer, *args: Any, **kwargs: Any) -> None:
         bound = inspect.signature(original).bind(trainer, *args, **kwargs)
         model = bound.arguments.get("model")
