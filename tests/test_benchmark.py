@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from tests.docs_blocks import marked_block
 from tests.launch import ROOT
 
 SCRIPTS = os.path.join(ROOT, "scripts", "benchmark")
@@ -231,10 +232,7 @@ PERFORMANCE_PAGE = os.path.join(ROOT, "docs", "performance.md")
 
 def docs_block(name: str) -> str:
     """The performance page's text between <!-- NAME:begin --> and <!-- NAME:end -->."""
-    with open(PERFORMANCE_PAGE) as f:
-        page = f.read()
-    begin, end = f"<!-- {name}:begin -->\n", f"<!-- {name}:end -->"
-    return page[page.index(begin) + len(begin) : page.index(end)]
+    return marked_block("performance.md", name)
 
 
 def test_docs_performance_tables_are_the_committed_measurement():

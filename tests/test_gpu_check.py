@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from tests.docs_blocks import marked_block
 from tests.launch import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "scripts", "measure"))
@@ -80,11 +81,7 @@ def test_docs_gpu_tables_are_the_committed_runs(results_file, marker, device):
     `python scripts/measure/gpu_check.py --from-json scripts/results/gpu_h100.json` (or gpu_h200.json)."""
     with open(os.path.join(ROOT, "scripts", "results", results_file)) as f:
         results = json.load(f)
-    with open(os.path.join(ROOT, "docs", "performance.md")) as f:
-        page = f.read()
-    begin, end = f"<!-- {marker}:begin -->\n", f"<!-- {marker}:end -->"
-    block = page[page.index(begin) + len(begin) : page.index(end)]
-    assert block.strip() == gpu_check.render_markdown(results).strip()
+    assert marked_block("performance.md", marker).strip() == gpu_check.render_markdown(results).strip()
     assert results["environment"]["device_name"] == device
 
 

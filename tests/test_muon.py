@@ -26,6 +26,7 @@ from hf_fsdp2.optim.muon import NS_COEFFICIENTS, NS_EPS, NS_STEPS, MuonAdamW, ad
 from hf_fsdp2.optim.muon_routing import Muon, split_for_muon
 from hf_fsdp2.optim.state_sizes import state_bytes
 from tests import tiny_models
+from tests.docs_blocks import marked_block
 from tests.launch import ROOT, load_result, load_runs, run
 
 TOLERANCE = 1e-5
@@ -282,7 +283,4 @@ def test_docs_muon_step_table_is_the_committed_measurement():
 
     with open(os.path.join(ROOT, "scripts", "results", "muon_step.json")) as f:
         rows = json.load(f)["rows"]
-    with open(os.path.join(ROOT, "docs", "full-finetuning.md")) as f:
-        page = f.read()
-    begin, end = "<!-- muon-step:begin -->\n", "<!-- muon-step:end -->"
-    assert page[page.index(begin) + len(begin) : page.index(end)].strip() == render_markdown(rows).strip()
+    assert marked_block("full-finetuning.md", "muon-step").strip() == render_markdown(rows).strip()

@@ -13,6 +13,7 @@ from torch import nn
 
 from hf_fsdp2.optim.muon_routing import Muon, split_for_muon
 from hf_fsdp2.optim.state_sizes import PLANNED, state_bytes
+from tests.docs_blocks import marked_block
 from tests.launch import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "scripts", "measure"))
@@ -127,9 +128,6 @@ def test_docs_optimizer_state_table_is_the_committed_measurement():
     with `python scripts/measure/measure_optimizer_state.py --from-json scripts/results/optimizer_state.json`."""
     with open(os.path.join(ROOT, "scripts", "results", "optimizer_state.json")) as f:
         rows = json.load(f)["rows"]
-    with open(os.path.join(ROOT, "docs", "full-finetuning.md")) as f:
-        page = f.read()
-    begin, end = "<!-- optimizer-state:begin -->\n", "<!-- optimizer-state:end -->"
-    assert page[page.index(begin) + len(begin) : page.index(end)].strip() == render_markdown(rows).strip()
+    assert marked_block("full-finetuning.md", "optimizer-state").strip() == render_markdown(rows).strip()
     muon = next(r for r in rows if r["optim"] == "muon")
     assert muon["step_bytes"] > 0 and 0.6 < muon["vs_adamw"] < 0.8  # momentum for its matrices, AdamW for the rest
