@@ -372,7 +372,7 @@ def run_at_once(calls: list[Callable[[], Any]]) -> None:
 
 def resume_model(model: nn.Module, checkpoint: str) -> None:
     """Fill the sharded model in place from a checkpoint (any world size: DCP reshards); also from a
-    FULL_STATE_DICT checkpoint of Trainer + Accelerate (`full_state_checkpoint`)."""
+    FULL_STATE_DICT checkpoint of Trainer + Accelerate (`checkpoints.full_state`)."""
     if not os.path.isdir(model_dir(checkpoint)) and has_full_model_state(checkpoint):
         load_full_model_state(model_state_dict(model), checkpoint)
         return

@@ -1,7 +1,7 @@
 """Offline consolidation (`consolidate`, the `hf-fsdp2 consolidate` CLI): a sharded checkpoint, ours or Trainer +
 Accelerate's, streamed into a Hugging Face folder that `from_pretrained` loads. Peak memory is about twice the
 largest tensor (reads of up to that many bytes, a layer or so), not the model. The live model's export is
-`live_export`.
+`export.live`.
 
 NOTE: this module and what it imports stay clear of transformers' modeling code, peft, datasets and the trainer
 stack, so the command starts as fast as `accelerate merge-weights` does (tests/test_consolidate.py checks the

@@ -65,7 +65,7 @@ def save_pretrained_sharded(
     A PEFT model is written as its adapter folder (`PeftModel.from_pretrained` loads it), or with
     `merge_adapters` as the full model with the active LoRA adapter merged into copies of the base weights.
     A model that is not a `PreTrainedModel` is written in its own format: by `trainer_save` (a trainer
-    subclass's own `_save`) or its own save method, on gathered weights (`owner_export`).
+    subclass's own `_save`) or its own save method, on gathered weights (`export.owner`).
     NOTE: collective; every rank must call it. Only rank 0 holds a full tensor, one at a time, and writes.
 
     Raises:

@@ -3,7 +3,7 @@
 written by the trainer subclass's `_save` or the model's own save, on rank 0, over the gathered full weights.
 
 It knows neither Trainer internals (the trainer hands in its save) nor the formats: it only presents the model
-unsharded for the length of one save. The streamed `PreTrainedModel` export is `live_export`'s.
+unsharded for the length of one save. The streamed `PreTrainedModel` export is `export.live`'s.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The model's structure without its weights: meta-device skeletons, where their weights live, tied
 parameters and the tensor surgery that keeps ties intact.
 
-It reads configs, never weights; where the weights come from is `loading`'s business.
+It reads configs, never weights; where the weights come from is `loading.weights`' business.
 """
 
 from __future__ import annotations

@@ -493,7 +493,7 @@ def phases_for(request: PlanRequest, sizes: ModelSizes, activations: int) -> lis
 
 
 def _optimizer_state(optim: str, sizes: ModelSizes, shard: int) -> int:
-    """Bytes of optimizer state per rank, by each optimizer's real layout (optimizer_memory)."""
+    """Bytes of optimizer state per rank, by each optimizer's real layout (optim.state_sizes)."""
     shapes = sizes.trainable_shapes or ((sizes.trainable_numel,),)
     element = sizes.trainable_bytes / max(sizes.trainable_numel, 1)
     return state_bytes(optim, shapes, element, shard, sizes.muon_shapes)

@@ -1,8 +1,8 @@
 """Where `FSDP2Mixin` saves: sharded checkpoints written under a staging name and published when complete, and
 from_pretrained-ready exports of the live model.
 
-It decides when and what is written; the DCP files are `checkpoint`'s, the Hugging Face folders `live_export`'s; reading
-a checkpoint back is not its job. Every private Trainer hook it touches:
+It decides when and what is written; the DCP files are `checkpoints.sharded`'s, the Hugging Face folders
+`export.live`'s; reading a checkpoint back is not its job. Every private Trainer hook it touches:
 - `_save_checkpoint`: every save is a sharded DCP save under a staging name, renamed when complete
   (tests/test_checkpoint.py). It reuses `_save_rng_state`, `store_flos` and `_get_output_dir`.
 - `_finalize_training`: waits for a pending asynchronous save before training ends.
@@ -10,7 +10,7 @@ a checkpoint back is not its job. Every private Trainer hook it touches:
   adapter folder, or the merged model with `merge_adapters_on_save`).
 - `_save` (a subclass's own, such as sentence-transformers'): `save_model` and the end-of-training export of a model
   that is not a `PreTrainedModel` run it on rank 0 with the model presented unsharded, so the folder is the
-  subclass's format (`owner_export`; tests/test_sentence_transformers.py).
+  subclass's format (`export.owner`; tests/test_sentence_transformers.py).
 PEFT models get adapter-only checkpoints: peft's adapter files plus the DCP optimizer state of the
 trainable parameters (tests/test_lora.py).
 """

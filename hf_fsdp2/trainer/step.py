@@ -1,7 +1,7 @@
 """The training step of `FSDP2Mixin`: loss, gradients and optimizer over the sharded model.
 
 It owns what happens between a batch and an optimizer step; sharding the model and writing checkpoints are the other
-parts' (`trainer_sharding`, `trainer_checkpoint`). Every private Trainer hook it touches:
+parts' (`sharding`, `checkpointing`). Every private Trainer hook it touches:
 - `_defer_fsdp_gradient_reduction`: the no-sync context `_run_epoch` uses for models sharded before Trainer sees them;
   ours honours `FSDP2Config.defer_gradient_sync` (tests/test_parity.py, defer cases).
 - `_clip_grad_norm` / `_get_grad_norm`: the global norm of DTensor gradients (tests/test_parity.py).
@@ -14,7 +14,7 @@ parts' (`trainer_sharding`, `trainer_checkpoint`). Every private Trainer hook it
   gathered and an optimizer built then holds the wrong tensors (tests/test_trainer.py evaluate-then-train).
   transformers 5.24's `_prepare_for_training` reshards FSDP modules itself before `create_optimizer` for models
   sharded before Trainer sees them; the second reshard is a no-op, and ours still covers 5.23.
-  `args.optim` must have a verdict that is not "refused" (`optimizers.OPTIM_VERDICTS`), and the optimizer built (or
+  `args.optim` must have a verdict that is not "refused" (`optim.verdicts.OPTIM_VERDICTS`), and the optimizer built (or
   passed in `optimizers`) is made exact on shards in place: torch.optim.Muon and transformers' Adafactor become
   their shard-exact twins, bitsandbytes' step each rank's local shard (tests/test_muon.py, tests/test_optimizers.py).
   `hf_fsdp2.Muon` given as `optimizer_cls_and_kwargs` is called with the TrainingArguments and Trainer's
