@@ -73,8 +73,10 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
 
 
 def _is_linear(module: nn.Module) -> bool:
-    """nn.Linear, or transformers' Conv1D (GPT-2's transposed Linear)."""
-    return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
+    """nn.Linear, or transformers' Conv1D (GPT-2's transposed Linear) and its subclasses."""
+    from transformers.pytorch_utils import Conv1D
+
+    return isinstance(module, (nn.Linear, Conv1D))
 
 
 def muon_parameters(model: nn.Module) -> set[int]:
