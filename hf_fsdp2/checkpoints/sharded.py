@@ -91,7 +91,7 @@ def storage_writer(path: str, direct: bool = False) -> FileSystemWriter:
     if not direct:
         return writer
     # NOTE: FileSystemWriter builds its FileSystem in __init__ and offers no argument for another; every file it
-    # writes goes through `self.fs.create_stream` (torch 2.13-2.15, the pinned range; guarded by
+    # writes goes through `self.fs.create_stream` (torch 2.11-2.15, the tested range; guarded by
     # tests/test_checkpoint.py::test_dcp_files_are_written_through_direct_io).
     writer.fs = DirectWriteFileSystem()
     return writer
