@@ -86,6 +86,15 @@ def test_heads_embeddings_and_vit_tokens_go_to_adamw_the_blocks_matrices_and_exp
     assert {"lm_head.weight", "model.embed_tokens.weight", "model.norm.weight"} <= adamw
     gpt2 = tiny_models.gpt2()  # transformers' Conv1D is GPT-2's Linear
     assert "transformer.h.0.attn.c_attn.weight" in _routed(gpt2, Muon()(gpt2))[0]
+    # A user's subclass of Conv1D under another name is still a Linear (the old rule read the class name).
+    from transformers.pytorch_utils import Conv1D
+
+    class ScaledProjection(Conv1D):
+        pass
+
+    for block in gpt2.transformer.h:  # every block (_routed folds the layer index)
+        block.attn.c_proj = ScaledProjection(*reversed(block.attn.c_proj.weight.shape))
+    assert "transformer.h.0.attn.c_proj.weight" in _routed(gpt2, Muon()(gpt2))[0]
 
 
 def test_a_predicate_routes_instead_and_may_not_send_a_vector_to_muon():
