@@ -23,16 +23,20 @@ import torch.distributed as dist
 # lazily, after the group is up: that hidden reference keeps a destroyed group (and, with gloo, its
 # threads and sockets) alive until the interpreter exits.
 import torch.distributed.nn.functional  # noqa: F401
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
 
 
 def get_device() -> torch.device:
-    """Return this rank's accelerator (by LOCAL_RANK) or the CPU."""
+    """Return this rank's accelerator (by LOCAL_RANK) or the CPU.
+
+    NOTE: LOCAL_RANK modulo the device count, as Accelerate picks it, so that ranks sharing a device
+    (`hf_fsdp2.shared_device`) and Accelerate agree on it; with one rank per device it is LOCAL_RANK itself.
+    """
     if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     return torch.device("cpu")
 
 
@@ -51,7 +55,9 @@ def init_distributed() -> None:
     if dist.is_initialized():
         return
     device = get_device()
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    # NOTE: gloo beside NCCL for the CPU tensors that CPU offload puts in collectives (torchtitan and torchtune do
+    # the same); the accelerator's tensors still go over NCCL.
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
     device_id = device if device.type == "cuda" else None
@@ -166,26 +172,6 @@ def _release_mesh_groups() -> None:
         if issubclass(type(obj), DeviceMesh):
             getattr(obj, "_pg_registry", {}).clear()  # private in torch 2.13; absent elsewhere is harmless
     gc.collect()  # frees the groups that only reference cycles still reached
-
-
-def build_mesh(replicate_size: int = 1) -> DeviceMesh:
-    """Build the 1-D shard mesh, or the 2-D (replicate, shard) mesh for HSDP.
-
-    Raises:
-        ValueError: when `replicate_size` does not divide the world size.
-    """
-    world = dist.get_world_size()
-    device_type = get_device().type
-    if replicate_size == 1:
-        return init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
-    if world % replicate_size:
-        raise ValueError(
-            f"hsdp_replicate_size={replicate_size} does not divide the world size {world}; "
-            f"choose a divisor of {world} (e.g. the number of nodes)."
-        )
-    return init_device_mesh(
-        device_type, (replicate_size, world // replicate_size), mesh_dim_names=("replicate", "shard")
-    )
 
 
 # Groups created for CPU-side work (monitored barriers, CPU flags, DCP's metadata exchange): gloo even when the

@@ -19,11 +19,12 @@ from torch.distributed.tensor import DTensor
 from .adapters.methods import check_supported
 from .adapters.nf4 import describe_dense, nf4_candidates, quantize_skeleton
 from .config import FSDP2Config
-from .distributed import build_mesh, check_same_on_all_ranks, get_device, init_distributed, log_rank0
+from .distributed import check_same_on_all_ranks, get_device, init_distributed, log_rank0
 from .export.live import save_pretrained_sharded
 from .loading.branches import attach_branch_guard, branch_names
 from .loading.facts import ModelFacts, describe, facts_of
 from .loading.weights import load_pretrained
+from .meshes import build_mesh
 from .sharding.collective_methods import attach_collective_methods
 from .sharding.units import (
     mixed_precision_policy,

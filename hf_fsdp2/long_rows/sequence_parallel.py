@@ -19,9 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 
-from ..distributed import get_device
+from ..meshes import mesh_carrying_cpu
 from .chunked_loss import IGNORE_INDEX, shifted_labels
 from .ulysses_attention import SUPPORTED_ATTENTION, RowLayout, documents_of
 
@@ -47,7 +46,7 @@ class SequenceParallel:
 
     def __init__(self, size: int, implementation: str) -> None:
         world = dist.get_world_size()
-        mesh = init_device_mesh(get_device().type, (world // size, size), mesh_dim_names=("data", "sequence"))
+        mesh = mesh_carrying_cpu((world // size, size), ("data", "sequence"))
         self.size = size
         self.group = mesh.get_group("sequence")
         self.rank = dist.get_rank(self.group)

@@ -27,6 +27,7 @@ from ..distributed import alone, log_rank0, warn_rank0
 from ..loading.branches import branch_names, inside_branch
 from ..loading.facts import facts_of
 from ..loading.skeleton import set_tensor
+from ..meshes import world_group
 from .comm_buffers import pool_comm_buffers
 from .inference_mode import allow_inference_mode
 
@@ -285,10 +286,11 @@ def reduce_scalar_gradients(model: nn.Module) -> None:
     if alone():
         return
     world = dist.get_world_size()
+    group = world_group()  # with CPU offload a scalar's gradient can be a CPU tensor
 
     def average(grad: torch.Tensor) -> torch.Tensor:
         total = grad.detach().clone()
-        dist.all_reduce(total)
+        dist.all_reduce(total, group=group)
         return total.div_(world)
 
     for param in scalar_parameters(model):

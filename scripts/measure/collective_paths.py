@@ -30,6 +30,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 import hf_fsdp2.distributed as distributed
+from hf_fsdp2.meshes import build_mesh
 
 PATHS: dict[str, Callable[[], None]] = {}
 
@@ -45,7 +46,7 @@ def _sharded_pair(bias: bool = True) -> nn.Module:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(24, 40, bias=bias), nn.Tanh(), nn.Linear(40, 24, bias=bias))
     model.to(distributed.get_device())
-    mesh = distributed.build_mesh()
+    mesh = build_mesh()
     for layer in (model[0], model[2]):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -184,7 +185,7 @@ def nf4_block_statistics() -> None:
     except ImportError as error:  # NOTE: the qlora extra; the caller reports it as skipped
         raise ModuleNotFoundError(str(error)) from error
     rows = torch.randn(4, 128, device=distributed.get_device())
-    mean, local = global_mean_absmax(rows, distributed.build_mesh().get_group())
+    mean, local = global_mean_absmax(rows, build_mesh().get_group())
     assert mean.device == rows.device and local.numel() == 8
 
 

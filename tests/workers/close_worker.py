@@ -13,7 +13,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from hf_fsdp2 import close_distributed
-from hf_fsdp2.distributed import build_mesh, init_distributed
+from hf_fsdp2.distributed import init_distributed
+from hf_fsdp2.meshes import build_mesh
 
 
 def gloo_threads() -> int:

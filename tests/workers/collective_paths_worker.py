@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from hf_fsdp2 import distributed
+from hf_fsdp2.meshes import build_mesh
 from tests.collective_audit import audited
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "measure"))
@@ -25,7 +26,7 @@ OUT = sys.argv[1]
 
 def planted() -> None:
     """The bug the audit exists for: hf_fsdp2 0.1's Muon agreement (CPU flag, the mesh's shard group)."""
-    group = distributed.build_mesh().get_group()
+    group = build_mesh().get_group()
     flag = torch.tensor([0])
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
 
