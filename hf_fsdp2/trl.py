@@ -7,10 +7,15 @@ reference models are sharded too (frozen, no optimizer state) instead of replica
 path is built by TRL itself, in the class and configuration it asks for (RewardTrainer's `num_labels=1` classifier,
 `model_init_kwargs`), as our meta skeleton: each rank reads only its slices (`hf_fsdp2.loading.path_models`).
 GRPO's generation goes through the sharded model's `generate`, which gathers every unit once per call
-(`hf_fsdp2.gathered`).
+(`hf_fsdp2.gathered`); with `use_vllm=True`, vLLM generates and gets the full weights after each step, one FSDP unit
+at a time (`export.engine_weights`), with LoRA merged into copies, instead of TRL's per-parameter gather, which only
+knows models sharded by Accelerate.
 
-TRL internals touched: `hash_module` in `trl.trainer.dpo_trainer` and `trl.trainer.kto_trainer` (patched while
-`FSDP2DPOTrainer`/`FSDP2KTOTrainer.__init__` runs), which names the cache of precomputed reference log-probs from the
+TRL internals touched: the `vllm_generation` object of GRPO and RLOO: its `_iter_named_params`, which TRL's server
+mode streams, and `sync_weights`, replaced for colocate mode by one `load_weights` call per unit (sleep mode's
+wake-up and the prefix-cache reset kept as TRL does them; tests/test_vllm.py, with real vLLM). `hash_module` in
+`trl.trainer.dpo_trainer` and `trl.trainer.kto_trainer` (patched while `FSDP2DPOTrainer`/`FSDP2KTOTrainer.__init__`
+runs), which names the cache of precomputed reference log-probs from the
 weights; ours hashes the gathered full weights instead of failing on DTensors (tests/test_trl_built_models.py
 dpo_precompute*, kto_precompute).
 """
@@ -22,8 +27,10 @@ try:
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError("hf_fsdp2.trl needs TRL, which is an optional extra: pip install 'hf_fsdp2[trl]'") from error
 
+import atexit
 import contextlib
 import hashlib
+import weakref
 from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
@@ -33,6 +40,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from trl.trainer import dpo_trainer, kto_trainer
 
+from .export.engine_weights import named_full_weights, unit_buckets
 from .loading.facts import attached_facts
 from .trainer.mixin import FSDP2Mixin
 
@@ -112,7 +120,64 @@ class FSDP2RewardTrainer(FSDP2Mixin, RewardTrainer):
     checkpoint), TRL's own `num_labels=1` classifier is what gets built and sharded."""
 
 
-class FSDP2GRPOTrainer(FSDP2Mixin, GRPOTrainer):
+def sync_full_weights_to_vllm(generation: Any, model: nn.Module) -> None:
+    """Make TRL's vLLM generation object take the sharded model's full weights, a unit at a time.
+
+    Server mode: TRL streams what `_iter_named_params` yields (rank 0 sends; every rank takes part in the gathers).
+    Colocate mode: every rank's own vLLM engine loads each unit's weights in one `load_weights` call.
+    """
+    generation._iter_named_params = lambda: named_full_weights(model)
+    if generation.mode != "colocate":
+        return
+    _shut_engine_down_first(generation.llm)
+
+    def sync_weights() -> None:
+        if generation.enable_sleep_mode:  # as TRL: map the engine's weight memory before writing into it
+            generation.llm.wake_up(tags=["weights"])
+            generation._llm_weights_sleeping = False
+        engine_model = generation.llm.llm_engine.model_executor.driver_worker.model_runner.model
+        for bucket in unit_buckets(model):
+            engine_model.load_weights(bucket)
+        generation.llm.reset_prefix_cache()
+
+    generation.sync_weights = sync_weights
+
+
+def _shut_engine_down_first(llm: Any) -> None:
+    """At exit, shut the colocated vLLM engine down before hf_fsdp2 ends the process group.
+
+    NOTE: vLLM's shutdown destroys its own groups (and the default one); run after hf_fsdp2's exit handler had ended
+    them, it printed "Invalid process group specified" on every rank. atexit runs handlers last-in, first-out, and
+    this one is registered after hf_fsdp2 joined the group. After vLLM's shutdown hf_fsdp2 finds no group to end.
+    """
+    engine = weakref.ref(llm)
+
+    def shut_down() -> None:
+        alive = engine()
+        if alive is not None:
+            alive.llm_engine.engine_core.shutdown()
+
+    atexit.register(shut_down)
+
+
+class _FullWeightsForVLLM:
+    """With `use_vllm=True`: vLLM gets the full weights of the sharded policy (`sync_full_weights_to_vllm`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        try:
+            super().__init__(*args, **kwargs)
+        except ValueError as error:
+            if "Sleep mode is not supported" not in str(error):
+                raise
+            raise ValueError(
+                "vllm_enable_sleep_mode=True: vLLM has sleep mode only on CUDA, ROCm and XPU GPUs, and refuses it "
+                "here. Set vllm_enable_sleep_mode=False on this machine."
+            ) from error
+        if getattr(self, "vllm_generation", None) is not None:
+            sync_full_weights_to_vllm(self.vllm_generation, self.model)
+
+
+class FSDP2GRPOTrainer(_FullWeightsForVLLM, FSDP2Mixin, GRPOTrainer):
     """`trl.GRPOTrainer` (online RL: generate, score, update) whose policy is sharded with FSDP2.
 
     Completions are generated on the sharded policy with every unit gathered once per generation; with `beta > 0`
@@ -120,5 +185,5 @@ class FSDP2GRPOTrainer(FSDP2Mixin, GRPOTrainer):
     """
 
 
-class FSDP2RLOOTrainer(FSDP2Mixin, RLOOTrainer):
+class FSDP2RLOOTrainer(_FullWeightsForVLLM, FSDP2Mixin, RLOOTrainer):
     """`trl.RLOOTrainer` (REINFORCE leave-one-out) whose policy is sharded with FSDP2, as `FSDP2GRPOTrainer`."""
