@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from tests.launch import run
+from tests.docs_blocks import marked_block
+from tests.launch import ROOT, run
 
 
 @pytest.fixture(scope="module", params=[2, 0], ids=["2 ranks", "world of one"])
@@ -67,3 +69,14 @@ def test_an_nf4_base_is_sent_dequantised(sent):
     _ok(result)
     assert result["names"] == result["expected_names"] and result["max_diff"] == 0.0
     assert result["dtypes"] == ["torch.float32"]
+
+
+def test_docs_sync_time_table_is_the_committed_measurement():
+    """docs/trl.md's sync-time table is rendered from scripts/results/vllm_sync.json: re-render with
+    `python scripts/measure/measure_vllm_sync.py --from-json scripts/results/vllm_sync.json`."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts", "measure"))
+    from measure_vllm_sync import render_markdown
+
+    with open(os.path.join(ROOT, "scripts", "results", "vllm_sync.json")) as f:
+        rows = json.load(f)["rows"]
+    assert marked_block("trl.md", "vllm-sync").strip() == render_markdown(rows).strip()
