@@ -6,7 +6,8 @@ NCCL refuses two ranks on one GPU ("Duplicate GPU detected"). This launcher star
 script runs, as gloo registered for CUDA tensors only (`cuda:gloo`), with every rank on the same device: gloo really
 exchanges the CUDA tensors (through host memory), and a CPU tensor handed to the group fails with NCCL's own error,
 as it does on the NCCL-only group Accelerate starts on N GPUs. hf_fsdp2's meshes add gloo for CPU tensors, as they
-do beside NCCL. Slower than NCCL; for trying and testing, not for training. Gloo has no CUDA coalesced all-gathers,
+do beside NCCL. Every rank is given LOCAL_RANK 0, the device's index, so each counts as its node's first (duplicate
+log lines). Slower than NCCL; for trying and testing, not for training. Gloo has no CUDA coalesced all-gathers,
 point-to-point or `PREMUL_SUM`, so code that needs them fails here and not on NCCL.
 On a machine without CUDA it starts no group and runs the script as plain torchrun would, so the same command
 runs there.
@@ -44,6 +45,9 @@ def start_shared_group() -> torch.device:
     if device.type != "cuda":
         return device  # NOTE: nothing to share; the script starts its group as under plain torchrun
     torch.cuda.set_device(device)
+    # NOTE: Accelerate's wait_for_everyone passes LOCAL_RANK as the barrier's device (cuda:1 does not exist on one
+    # GPU), and TRL's vLLM reads it: every rank is told it is its node's first, on the one device.
+    os.environ["LOCAL_RANK"] = str(device.index)
     # NOTE: no device_id: binding a device makes torch split groups with NCCL's comm split, which gloo lacks.
     dist.init_process_group(backend="cuda:gloo")
     return device

@@ -61,6 +61,12 @@ def test_cli_consolidates_the_last_checkpoint_into_a_loadable_folder_without_the
     assert torch.allclose(logits_of(str(output)), sharded_logits(trained), atol=1e-5, rtol=0)
 
 
+def test_one_rank_of_a_running_job_consolidates_alone(trained, tmp_path):
+    output = str(tmp_path / "hf")
+    run("consolidate_one_rank_worker.py", 2, os.path.join(trained, "run", "checkpoint-4"), output, timeout=120)
+    assert torch.allclose(logits_of(output), sharded_logits(trained), atol=1e-5, rtol=0)
+
+
 def test_consolidating_the_model_subfolder_and_sharding_with_an_index(trained, tmp_path):
     model_dir = os.path.join(trained, "run", "checkpoint-4", "pytorch_model_fsdp_0")
     consolidate(model_dir, str(tmp_path / "hf"), max_shard_size="20KB")

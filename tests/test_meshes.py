@@ -85,3 +85,18 @@ def test_an_unchanged_trainer_script_runs_through_the_shared_device_launcher(tmp
     proc = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert proc.stdout.count("at exit: process group open False") == 2, proc.stdout
+
+
+def test_on_one_gpu_every_rank_joins_cuda_gloo_on_device_0_as_its_nodes_first(monkeypatch):
+    started = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", started.append)
+    monkeypatch.setattr(shared_device.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(shared_device.dist, "init_process_group", lambda backend: started.append(backend))
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert shared_device.start_shared_group() == torch.device("cuda", 0)
+    # Accelerate's barrier takes LOCAL_RANK as its device: cuda:1 does not exist on one GPU.
+    assert started == [torch.device("cuda", 0), "cuda:gloo"] and os.environ["LOCAL_RANK"] == "0"

@@ -80,18 +80,19 @@ def tensor_bytes(state: Any) -> int:
     return total
 
 
-def check_room(folder: str, own_bytes: int, what: str = "checkpoint") -> int:
+def check_room(folder: str, own_bytes: int, what: str = "checkpoint", collective: bool = True) -> int:
     """Fail at once on every rank when a file system lacks room for what the ranks writing to it are about to write.
 
     Returns the bytes all ranks write to this rank's file system (a lower bound of what `folder` needs: file
     headers and small files are not counted, so a save is never refused that would fit).
-    NOTE: collective; every rank calls it with its own bytes, before writing anything.
+    NOTE: collective; every rank calls it with its own bytes, before writing anything. `collective=False`: this
+    process alone writes (offline consolidation, which one rank of a running job may call).
 
     Raises:
         CheckpointDiskFull: when any rank's file system has less free space than the bytes written to it.
     """
     free = free_bytes(folder)
-    views = _gather((_file_system(folder), own_bytes, free))
+    views = _gather((_file_system(folder), own_bytes, free), collective)
     needs = {key: sum(b for k, b, _ in views if k == key) for key, _, _ in views}
     short = next(((needs[key], got) for key, _, got in views if got < needs[key]), None)
     if short is not None:
@@ -100,33 +101,35 @@ def check_room(folder: str, own_bytes: int, what: str = "checkpoint") -> int:
 
 
 def raise_if_write_failed(
-    error: BaseException | None, folder: str, staging: str, need: int, what: str = "checkpoint"
+    error: BaseException | None, folder: str, staging: str, need: int, what: str = "checkpoint", collective: bool = True
 ) -> None:
     """When any rank failed to write its part, remove the staging folder and raise one clear error on every rank.
 
     The error says "no space left on device" when the failure carries ENOSPC (anywhere in DCP's per-rank failures
     or an exception's causes) or when the file system, once the partial files are gone, has less room than `need`;
     else it names the failed write. A failure that is no write failure is re-raised as it is on its rank.
-    NOTE: collective; every rank calls it after its own part, with its own error or None.
+    NOTE: collective; every rank calls it after its own part, with its own error or None (`collective=False`: this
+    process alone wrote).
 
     Raises:
         CheckpointDiskFull: a full disk on any rank.
         CheckpointWriteError: another failed write on any rank.
     """
-    failed_rank, found = _first(_describe(error) if error is not None else None)
+    together = collective and not alone()
+    failed_rank, found = _first(_describe(error) if error is not None else None, together)
     if found is None:
         return
-    if not alone():
+    if together:
         dist.barrier()  # every rank has stopped writing into staging
-    if is_rank0():
+    if is_rank0() or not together:
         shutil.rmtree(staging, ignore_errors=True)
-    if not alone():
+    if together:
         dist.barrier()
     if isinstance(error, CheckpointWriteError):
         raise error  # already the clear error (the check before writing, raised alike on every rank)
-    free = _gather(free_bytes(folder))[failed_rank]  # the failing rank's file system, after the cleanup
+    free = _gather(free_bytes(folder), together)[failed_rank]  # the failing rank's file system, after the cleanup
     code, detail = found
-    where = f"rank {failed_rank}: {detail}" if _world() > 1 else detail
+    where = f"rank {failed_rank}: {detail}" if together else detail
     if code is None:  # no write failed (a bug, an interrupt): that error itself, named on the other ranks
         if error is not None:
             raise error
@@ -194,15 +197,15 @@ def _world() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-def _gather(value: Any) -> list[Any]:
-    """Every rank's `value`, in rank order (just this one's outside a process group)."""
-    if alone():
+def _gather(value: Any, collective: bool = True) -> list[Any]:
+    """Every rank's `value`, in rank order (just this one's outside a process group, or not `collective`)."""
+    if not collective or alone():
         return [value]
     gathered: list[Any] = [None] * _world()
     dist.all_gather_object(gathered, value)
     return gathered
 
 
-def _first(value: Any) -> tuple[int, Any]:
+def _first(value: Any, collective: bool = True) -> tuple[int, Any]:
     """(rank, value) of the lowest rank whose value is set, else (-1, None); the same on every rank."""
-    return next(((rank, found) for rank, found in enumerate(_gather(value)) if found), (-1, None))
+    return next(((rank, found) for rank, found in enumerate(_gather(value, collective)) if found), (-1, None))

@@ -66,7 +66,8 @@ def consolidate(
     source = _model_files_dir(checkpoint_dir, directory)
     specs = [TensorSpec(k, tuple(md.size), export_dtype(md.properties.dtype, target)) for k, md in stored.items()]
     specs = write_order(specs, max_shard_size)  # batches are read in the order the files are written
-    need = check_room(output_dir, sum(spec.nbytes for spec in specs), what="export")  # fails at once when full
+    # NOTE: this process alone writes; one rank of a running job may call it, so no collective.
+    need = check_room(output_dir, sum(spec.nbytes for spec in specs), what="export", collective=False)
     staging = prepare_output(output_dir, overwrite)
     reader = SafeFileSystemReader(directory, cache_metadata=True)
     batches = read_batches(specs, max(spec.nbytes for spec in specs))
@@ -83,7 +84,7 @@ def consolidate(
         write_weights(staging, specs, fetch, max_shard_size)
         _copy_model_files(source, staging, target)
     except OSError as error:
-        raise_if_write_failed(error, output_dir, staging, need, what="export")  # the clear error, staging removed
+        raise_if_write_failed(error, output_dir, staging, need, what="export", collective=False)  # the clear error
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

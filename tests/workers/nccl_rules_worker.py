@@ -1,4 +1,4 @@
-"""What CPU offload puts in collectives, on a default group that refuses CPU tensors as NCCL does (tests/test_meshes.py).
+"""What CPU offload puts in collectives, on a default group that refuses CPU tensors as NCCL does (test_meshes.py).
 
 The default group is gloo registered for CUDA only (`cuda:gloo`): like the NCCL-only group Accelerate starts on N
 GPUs, it fails a CPU tensor with "No backend type associated with device type cpu". On these CPU ranks every tensor
