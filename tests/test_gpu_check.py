@@ -15,17 +15,27 @@ from tests.launch import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "scripts", "measure"))
 import gpu_check  # noqa: E402
+from gpu_parts.two_ranks import JOBS, ONE_PROCESS, TWO_RANKS_ONLY  # noqa: E402
+
+SCRIPT = os.path.join(ROOT, "scripts", "measure", "gpu_check.py")
+# The jobs of part "two_ranks" a CPU cannot run: FSDP2Trainer refuses cpu_offload without an accelerator, and the
+# control's mesh is a CUDA one.
+NO_ACCELERATOR = ("cpu offload", "cpu offload control")
 
 
 @pytest.fixture(scope="module")
-def dry_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """One whole dry run (about 40 s on 2 CPU cores: its workers are forked from one that imported once)."""
-    work = tmp_path_factory.mktemp("gpu_check")
-    script = os.path.join(ROOT, "scripts", "measure", "gpu_check.py")
-    command = [sys.executable, script, "--dry-run", "--workdir", str(work)]
+def workdir(tmp_path_factory: pytest.TempPathFactory):
+    return tmp_path_factory.mktemp("gpu_check")
+
+
+@pytest.fixture(scope="module")
+def dry_run(workdir) -> dict:
+    """One whole dry run (about 60 s on 2 CPU cores, half of it part "two_ranks": its workers are forked from one that
+    imported once)."""
+    command = [sys.executable, SCRIPT, "--dry-run", "--workdir", str(workdir)]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    with open(work / "gpu_dry_run.json") as f:
+    with open(workdir / "gpu_dry_run.json") as f:
         return json.load(f)
 
 
@@ -58,6 +68,56 @@ def test_the_rehearsal_measures_what_the_gpu_run_reports(dry_run):
     assert len(planned) == 2 + 1 + 2 + 4 and all(row["planned_mib"] > 0 for row in planned)
     table = gpu_check.render_markdown(dry_run)
     assert "| bf16 |" in table and "| fp32 | 0.00e+00 (within)" in table
+
+
+def test_two_ranks_hold_every_job_against_one_process(dry_run):
+    """Part "two_ranks": every job at 2 ranks (gloo here) against the same job in one process, within its tolerance;
+    fp32 within 1e-5 (measured: losses equal, weights 7.5e-9 apart, all of it the grad norm's sum over shards)."""
+    runs = dry_run["parts"]["two_ranks"]["runs"]
+    one = {name: run for name, run in runs.items() if name.endswith(ONE_PROCESS)}
+    two = {name: run for name, run in runs.items() if not name.endswith(ONE_PROCESS)}
+    assert list(one) == [job + ONE_PROCESS for job in JOBS if job not in TWO_RANKS_ONLY]
+    assert list(two) == list(JOBS)
+    for name, run in one.items():
+        assert run.get("status", "ok") == ("skipped: no accelerator" if name == "cpu offload" + ONE_PROCESS else "ok")
+    for name, run in two.items():
+        assert (run["world"], run["backend"]) == (2, "gloo")
+        if name in NO_ACCELERATOR:
+            assert run["status"] == "skipped: no accelerator", run
+            continue
+        assert run["status"] == "ok", (name, run.get("error"))
+        assert run["diffs"] and all(run["diffs"][k] <= run["tolerance"][k] for k in run["diffs"])
+        assert run["checks"] == {} or all(run["checks"].values())
+        if name != "grpo reward model":  # GRPO samples: its log-probs and reward-model scores are compared instead
+            assert "losses" in run["diffs"] and any(k.startswith("weights") for k in run["diffs"]), name
+    assert "cpu_offload=True moves shards from an accelerator" in two["cpu offload"]["refused"]
+    fp32 = two["full fp32"]
+    assert set(fp32["tolerance"].values()) == {gpu_check.FP32_TOLERANCE} and len(fp32["losses"]) == 4
+    assert set(two["save resume consolidate"]["diffs"]) == {"losses", "weights (from_pretrained of the export)"}
+    assert set(two["grpo reward model"]["diffs"]) == {"log-probs", "reward-model scores"}
+    table = gpu_check.render_markdown(dry_run)
+    assert "| job (2 ranks on gloo) | 2 ranks (one GPU) vs one process | tolerance | outcome |" in table
+    assert all(f"| {job} |" in table for job in JOBS)
+
+
+def test_the_gpus_two_rank_launch_runs_on_the_cpu_through_torchrun_and_shared_device(workdir, dry_run):
+    """With forking off, the 2 ranks start as on a GPU: `torchrun --nproc_per_node 2 -m hf_fsdp2.shared_device`
+    (there it only lets torchrun's gloo start); one job, against the one-process record the dry run left."""
+    import forked_ranks
+
+    result = workdir / "torchrun.json"
+    command = [sys.executable, SCRIPT, "--dry-run", "--parts", "two_ranks", "--runs", "full fp32"]
+    command += ["--workdir", str(workdir), "--json", str(result)]
+    env = {**os.environ, forked_ranks.FRESH_ENV: "1"}
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(result) as f:
+        runs = json.load(f)["parts"]["two_ranks"]["runs"]
+    assert list(runs) == ["full fp32"] and runs["full fp32"]["status"] == "ok", runs
+    assert (runs["full fp32"]["world"], runs["full fp32"]["backend"]) == (2, "gloo")
+    assert max(runs["full fp32"]["diffs"].values()) <= gpu_check.FP32_TOLERANCE
+    with open(workdir / "log-two_ranks-two_ranks.txt") as f:
+        assert "--nproc_per_node 2 -m hf_fsdp2.shared_device" in f.readline()
 
 
 def test_a_part_that_would_not_fit_the_budget_is_skipped_and_says_so(tmp_path, monkeypatch):

@@ -11,6 +11,10 @@ estimates):
     build        a 100M Llama (fp32) and a 1B Llama of Llama-3.2-1B's shape (bf16), random weights, saved once
     collectives  every collective path of the package in a group of one, without the world-1 shortcut
                  (scripts/measure/collective_paths.py): NCCL gets every tensor a job of N GPUs would hand it  (~30)
+    two_ranks    2 ranks sharing the one GPU, each job against the same job in one process: full fine-tune fp32
+                 and bf16, LoRA, QLoRA, cpu_offload with clipping (and a control: torch's own mesh must fail),
+                 Muon, Adafactor, sequence parallelism, GRPO scored by a reward model, DPO, save -> resume ->
+                 consolidate -> from_pretrained; tiny models (gpu_parts/two_ranks.py)                     (~120)
     parity       100M, 20 steps: FSDP2Trainer against plain Trainer, bf16 (fp32 masters) and fp32             59
     throughput   1B, 4 x 2048 tokens, bf16: FSDP2Trainer, Trainer, Trainer + Accelerate's FSDP2 plugin, each
                  with and without activation checkpointing: tokens/s, MFU, peak max_memory_allocated         92
@@ -30,6 +34,19 @@ Results are written after every part (`--json`), so a run cut off by its time li
 that would not finish inside `--budget-s` is skipped and says so. Each part's runs go to fresh worker processes
 (one per system, so Accelerate's process-wide state never meets another system's); a worker writes each run's
 figures as soon as it ends, so a crash or a time-out loses only the run in flight.
+
+Part "two_ranks" launches twice: its one-process runs go to one plain process (no torchrun: a world of one), then
+every job at 2 ranks to one `torchrun --nproc_per_node 2 -m hf_fsdp2.shared_device` launch: both ranks on cuda:0,
+the job's group gloo registered for CUDA only, which routes tensors as NCCL does (a CPU tensor fails with NCCL's
+error) and really exchanges them; NCCL itself refuses two ranks on one GPU. Same rows, same sums by construction: a
+rank's batch of a step is one of the one process's two micro-batches (gradient accumulation), so fp32 gradients are
+bit-equal and only sums over shards round apart (the CPU rehearsal: equal losses, weights 7.5e-9 apart, all of it the
+grad norm's; bit-equal without clipping). After each job the ranks meet on a gloo group of their own: rank 0 holds the
+job against the one-process record (the largest difference of losses, weights, log-probs, scores, each against its
+tolerance, and the job's checks) and writes it; a rank left waiting 60 s for the other writes the job as failed and
+ends the launch (the group is broken; the jobs after it are recorded as not run). On the CPU rehearsal the 2 ranks
+are forked gloo ranks (with BENCHMARK_FRESH_PROCESSES=1 the torchrun command above, where the launcher only lets gloo
+start); cpu_offload and the control are "skipped: no accelerator" there.
 
 How things are measured: memory is torch.cuda.max_memory_allocated (reset after loading; on the CPU the
 process's VmHWM above its start), step time the median of the steps after `warmup`, with the GPU synchronised
@@ -66,15 +83,20 @@ from gpu_parts.generation import generate  # noqa: E402
 from gpu_parts.planner import measured_for_planner, planner  # noqa: E402
 from gpu_parts.report import render_markdown  # noqa: E402
 from gpu_parts.training import train  # noqa: E402
+from gpu_parts.two_ranks import plan_two_ranks, two_ranks  # noqa: E402
 
 # Dense bf16 peak FLOP/s by GPU name (SXM parts; the H200 has the H100's compute).
 PARTS = (
-    *("collectives", "parity", "throughput", "compile", "qlora", "long_rows", "offload", "generation"),
+    *("collectives", "two_ranks", "parity", "throughput", "compile", "qlora", "long_rows", "offload", "generation"),
     *("checkpoints", "planner"),
 )
 # Seconds each part took on one H100 (2026-11-27); checkpoints: its failed first try took 90.
 ESTIMATE_S = {"parity": 60, "throughput": 95, "compile": 40, "qlora": 35, "long_rows": 50, "offload": 35}
 ESTIMATE_S |= {"generation": 60, "checkpoints": 90, "planner": 35, "collectives": 30}
+ESTIMATE_S |= {"two_ranks": 120}  # not measured yet: two launches' imports (~15 s each) and 23 tiny jobs
+# A part whose ranks can wait on each other has a time limit of its own on a GPU: a job that leaves one rank in a
+# collective would otherwise hold the loan until the whole budget is spent.
+LIMIT_S = {"two_ranks": 300}
 PLANNER_RESERVE_S = 35  # kept back for the planner, which compares what the other parts measured
 
 
@@ -105,6 +127,7 @@ def plan_runs(dry_run: bool) -> dict[str, list[dict[str, Any]]]:
         "generation": [dict(model="m1b", name="generate", kind="generate", batch=8, prompt=128 if not dry_run else 16)],
         "checkpoints": [dict(model="m1b", name="checkpoints", kind="checkpoints", bf16=True, batch=1, seq=256)],
         "planner": [dict(name="planner", kind="planner")],
+        "two_ranks": plan_two_ranks(),
     }
 
 
@@ -125,6 +148,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--from-json", default=None, help="print the table of a results file, run nothing")
     parser.add_argument(
         "--keep", default=None, help="a results file whose finished parts are kept (and not run again): a second call"
+    )
+    parser.add_argument(
+        "--runs",
+        default=None,
+        help="comma-separated names of the runs to do of the chosen parts (two_ranks: 'JOB' at 2 ranks, held against "
+        "the record 'JOB (one process)' left in the workdir; 'JOB (one process)' for that run)",
     )
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # a file of runs to do
     args = parser.parse_args(argv)
@@ -175,10 +204,11 @@ def run_check(args: argparse.Namespace) -> dict:
                 "status": f"skipped: {left:.0f} s left of the budget, ~{ESTIMATE_S[part]} s needed"
             }
         else:
-            part_runs = [dict(r, part=part) for r in runs[part]]
+            part_runs = [dict(r, part=part) for r in runs[part] if chosen(args, r)]
             if part == "planner":
                 part_runs[0]["measured"] = measured_for_planner(results)
-            todo = functools.partial(run_workers, args, env, part, part_runs, max(left, 30))
+            timeout = max(left, 30) if args.dry_run else min(max(left, 30), LIMIT_S.get(part, left))
+            todo = functools.partial(run_workers, args, env, part, part_runs, timeout)
             results["parts"][part] = timed_part(todo)
         print(f"[{time.perf_counter() - started:5.0f} s] {part}: {results['parts'][part]['status']}", flush=True)
         write(results, json_path, started)
@@ -189,6 +219,11 @@ def run_check(args: argparse.Namespace) -> dict:
             f.write(table + "\n")
     print(f"results: {json_path}")
     return results
+
+
+def chosen(args: argparse.Namespace, run: dict) -> bool:
+    """Whether --runs keeps a run."""
+    return args.runs is None or run["name"] in args.runs.split(",")
 
 
 def timed_part(fn: Any) -> dict:
@@ -289,31 +324,79 @@ def run_workers(args: argparse.Namespace, env: dict, part: str, runs: list[dict]
 
 
 def launch(system: str, jobs: str, env: dict, log: str, timeout: float) -> None:
-    """One worker process: plain Trainer as a plain process, the FSDP2 systems as rank 0 of a world of one.
+    """One worker process: plain Trainer and the one-process runs of "two_ranks" as a plain process, the FSDP2 systems
+    as rank 0 of a world of one; or the 2 ranks of "two_ranks" (`start_two_ranks`).
 
     On the CPU rehearsal it is forked from a process that imported torch, transformers and the systems once
     (scripts/benchmark/forked_ranks.py: 13 fresh workers spent about half of the dry run importing); on a GPU it starts
     fresh, as a process that touched the GPU cannot be forked.
     """
+    command = [sys.executable, os.path.abspath(__file__), "--worker", jobs]
+    if system == "two_ranks":
+        return wait_for(start_two_ranks(command, env, log), timeout, log)
     import forked_ranks
 
     env = dict(env)
-    if system != "trainer":
+    if system not in ("trainer", "one_process"):
         env |= {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
         env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    command = [sys.executable, os.path.abspath(__file__), "--worker", jobs]
     if env["GPU_CHECK_DRY_RUN"] == "1":
         process = forked_ranks.start(command, env, log)
     else:
         with open(log, "w") as output:
             process = subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT)
+    wait_for([process], timeout, log)
+
+
+def start_two_ranks(command: list[str], env: dict, log: str) -> list[Any]:
+    """The worker as 2 ranks on the one GPU: `torchrun --nproc_per_node 2 -m hf_fsdp2.shared_device` (gloo for CUDA
+    tensors under NCCL's device rules). On the CPU, where that launcher only lets torchrun's gloo start, the 2 ranks
+    are forked like the other workers (rank 1 logs to LOG-rank1.txt), unless forking is off
+    (BENCHMARK_FRESH_PROCESSES=1): then the same torchrun command as on a GPU.
+    """
+    import forked_ranks
+
+    if env["GPU_CHECK_DRY_RUN"] == "1" and forked_ranks.can_fork():
+        port = str(free_port())
+        logs = (log, log.replace(".txt", "-rank1.txt"))
+        ranks = [dict(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2") for r in (0, 1)]
+        return [
+            forked_ranks.start(command, {**env, **ranks[r], "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}, logs[r])
+            for r in (0, 1)
+        ]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    torchrun += ["-m", "hf_fsdp2.shared_device", *command[1:]]
+    with open(log, "w") as output:
+        output.write(f"[gpu_check] {' '.join(torchrun)}\n")
+        output.flush()
+        return [subprocess.Popen(torchrun, env=env, stdout=output, stderr=subprocess.STDOUT)]
+
+
+def wait_for(processes: list[Any], timeout: float, log: str) -> None:
+    """Wait for a worker's processes; when one fails, or at the time limit, stop the others (as torchrun does)."""
     deadline = time.perf_counter() + timeout
-    while process.poll() is None and time.perf_counter() < deadline:
+    while any(p.poll() is None for p in processes) and time.perf_counter() < deadline:
+        if any(p.poll() not in (None, 0) for p in processes):
+            break
         time.sleep(0.1)
-    if process.poll() is None:
-        process.kill()
-        with open(log, "a") as output:
-            output.write(f"\n[gpu_check] worker killed at its time limit ({timeout:.0f} s)\n")
+    for process in processes:
+        if process.poll() is None:
+            stop(process)
+            with open(log, "a") as output:
+                output.write(f"\n[gpu_check] worker stopped at its time limit ({timeout:.0f} s) or a rank's failure\n")
+
+
+def stop(process: Any) -> None:
+    """Kill a worker; torchrun is asked first (SIGTERM), so that it stops its ranks (within its own 30 s) and
+    leaves none behind."""
+    if isinstance(process, subprocess.Popen) and "torch.distributed.run" in process.args:
+        process.terminate()
+        try:
+            process.wait(timeout=40)
+            return
+        except subprocess.TimeoutExpired:
+            pass
+    process.kill()
 
 
 def free_port() -> int:
@@ -378,9 +461,15 @@ def run_jobs(jobs: list[dict], out: str) -> None:
             record = {"error": f"{type(error).__name__}: {error}"[-2000:]}
         record |= {"name": spec["name"], "spec": spec, "seconds": round(time.perf_counter() - start, 1)}
         free_memory()
-        with open(out, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        # At 2 ranks (part "two_ranks") rank 0 writes the job's record; or the rank that found the group broken (the
+        # other is stuck in a collective), which then ends the worker: torchrun stops the stuck rank.
+        broken = record.pop("group_broken", False)
+        if os.environ.get("RANK", "0") == "0" or broken:
+            with open(out, "a") as f:
+                f.write(json.dumps(record) + "\n")
         print(f"[gpu_check] {spec['part']}: {spec['name']} done in {record['seconds']} s", flush=True)
+        if broken:
+            os._exit(1)  # NOTE: no exit handlers: they would wait in a barrier on the broken group
 
 
 RUNNERS = {
@@ -390,6 +479,7 @@ RUNNERS = {
     "checkpoints": checkpoints,
     "planner": planner,
     "build": build,
+    "two_ranks": two_ranks,
 }
 
 
