@@ -24,7 +24,6 @@ if not torch.cuda.is_available():
 from transformers.utils import logging as transformers_logging  # noqa: E402
 
 from .distributed import start_restarted_worker  # noqa: E402
-from .moved_modules import install as install_moved_modules  # noqa: E402
 from .versions import check_versions_once  # noqa: E402
 
 if TYPE_CHECKING:
@@ -98,9 +97,6 @@ def __dir__() -> list[str]:
 # `log_level`/`log_level_replica` and `transformers.logging.set_verbosity_*` govern hf_fsdp2's messages exactly
 # as they govern Trainer's: INFO lines appear with log_level="info" and not at the default (warning).
 logging.getLogger(__name__).parent = transformers_logging.get_logger()
-
-# hf_fsdp2 0.1's flat module paths (hf_fsdp2.checkpoint, hf_fsdp2.disk_space, ...) import the moved modules.
-install_moved_modules()
 
 # A torchrun worker restarted after a failure must join its new group before TrainingArguments does.
 start_restarted_worker()
