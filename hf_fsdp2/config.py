@@ -99,8 +99,10 @@ class FSDP2Config:
     param_dtype: str | None = field(
         default=None,
         metadata={
-            "help": "Dtype of the gathered parameters used in forward/backward: 'bfloat16', 'float32'. "
-            "Default: 'bfloat16' when TrainingArguments.bf16 is set, else the parameters' own dtype. "
+            "help": "Dtype of the gathered parameters used in forward/backward: 'bfloat16', 'float16', 'float32'. "
+            "Default: 'bfloat16' when TrainingArguments.bf16 is set, 'float16' with TrainingArguments.fp16 "
+            "(FSDP2Trainer then scales the loss with a gradient scaler every rank agrees on), else the parameters' "
+            "own dtype. "
             "Trainable parameters are always kept as float32 masters when this is lower precision."
         },
     )
@@ -274,10 +276,10 @@ class FSDP2Config:
             value = getattr(self, name)
             if value is not None and value not in DTYPES:
                 raise ValueError(f"{name}={value!r} is not valid; choose one of {list(DTYPES)} or leave it None.")
-        if self.param_dtype == "float16" or self.reduce_dtype == "float16":
+        if self.reduce_dtype == "float16":
             raise ValueError(
-                "float16 is not supported: FSDP2 has no sharded loss scaling here, so float16 gradients "
-                "underflow. Use param_dtype='bfloat16' (TrainingArguments(bf16=True))."
+                "reduce_dtype='float16' is not supported: gradients summed over ranks in float16 overflow or "
+                "underflow. Leave it unset (float32 whenever compute is in lower precision)."
             )
         parse_size(self.max_shard_size)
         # NOTE: "none" lets a command line (which cannot pass an empty list) turn the checkpoint off.

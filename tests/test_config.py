@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from transformers import HfArgumentParser, TrainingArguments
@@ -18,7 +20,7 @@ from hf_fsdp2.sharding.units import mixed_precision_policy
         ({"min_num_params": 0}, "min_num_params=0 must be >= 1"),
         ({"param_dtype": "fp8"}, "param_dtype='fp8' is not valid; choose one of ['float32', 'bfloat16', 'float16']"),
         ({"reduce_dtype": "half"}, "reduce_dtype='half' is not valid"),
-        ({"param_dtype": "float16"}, "float16 is not supported"),
+        ({"reduce_dtype": "float16"}, "reduce_dtype='float16' is not supported"),
         ({"hsdp_replicate_size": 0}, "hsdp_replicate_size=0 must be an int >= 1"),
         ({"reshard_after_forward": "sometimes"}, "reshard_after_forward='sometimes' is not valid"),
         ({"reshard_after_forward": 0}, "reshard_after_forward=0 is not valid"),
@@ -87,9 +89,21 @@ def test_explicit_dtypes_win_over_training_arguments():
     assert (policy.param_dtype, policy.reduce_dtype) == (torch.float32, None)
 
 
-def test_fp16_training_arguments_are_refused_with_the_fix():
-    with pytest.raises(ValueError, match="fp16=True.*use bf16=True"):
-        mixed_precision_policy(FSDP2Config(), bf16=False, fp16=True)
+def test_fp16_computes_in_float16_and_reduces_in_float32():
+    policy = mixed_precision_policy(FSDP2Config(), bf16=False, fp16=True)
+    assert (policy.param_dtype, policy.reduce_dtype) == (torch.float16, torch.float32)
+
+
+@pytest.mark.parametrize(
+    "config, bf16, message",
+    [
+        (FSDP2Config(), True, "bf16=True, fp16=True"),
+        (FSDP2Config(param_dtype="bfloat16"), False, "fp16=True) with FSDP2Config(param_dtype='bfloat16')"),
+    ],
+)
+def test_fp16_with_another_compute_dtype_is_refused_by_name(config, bf16, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        mixed_precision_policy(config, bf16=bf16, fp16=True)
 
 
 def test_docs_configuration_reference_is_generated_from_the_dataclass():

@@ -119,14 +119,13 @@ def test_the_launcher_defaults_of_fsdp1_options_are_not_refused_but_a_given_one_
         resolve_config(None, None)
 
 
-def test_launch_mixed_precision_bf16_means_bf16_compute_and_fp16_is_refused(monkeypatch):
+def test_launch_mixed_precision_means_that_compute_dtype(monkeypatch):
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
     args = TrainingArguments(output_dir="unused", report_to=[], use_cpu=True)
     assert resolve_config(None, args).param_dtype == "bfloat16"
     assert resolve_config(FSDP2Config(param_dtype="float32"), args).param_dtype == "float32"
-    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
-    with pytest.raises(ValueError, match="--mixed_precision bf16"):
-        resolve_config(None, None)
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")  # fp16 compute, with the gradient scaler (precision.py)
+    assert resolve_config(None, None).param_dtype == "float16"
 
 
 def test_without_fsdp_settings_the_config_is_left_as_it_is():

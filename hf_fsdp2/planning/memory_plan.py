@@ -359,8 +359,9 @@ def log_memory_plan(model: nn.Module, args: Any, config: Any, dataset: Any, opti
     try:
         seq = len(dataset[0]["input_ids"])
         nproc = dist.get_world_size() if dist.is_initialized() else 1
+        # fp16 compute holds what bf16 compute holds (2 bytes a value, fp32 masters): planned as bf16.
         request = PlanRequest(
-            "", nproc=nproc, hsdp=config.hsdp_replicate_size, bf16=bool(args.bf16),
+            "", nproc=nproc, hsdp=config.hsdp_replicate_size, bf16=bool(args.bf16 or args.fp16),
             batch=args.per_device_train_batch_size, seq=seq, cpu_offload=config.cpu_offload,
             activation_checkpointing=config.fsdp_activation_checkpointing or bool(args.gradient_checkpointing),
             optim=optim or str(getattr(args.optim, "value", args.optim)),

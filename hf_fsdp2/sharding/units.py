@@ -166,16 +166,23 @@ def _post_order(model: nn.Module) -> list[nn.Module]:
 
 
 def mixed_precision_policy(config: FSDP2Config, bf16: bool, fp16: bool) -> MixedPrecisionPolicy:
-    """Resolve compute and reduce dtypes from the config, defaulting from TrainingArguments' bf16.
+    """Resolve compute and reduce dtypes from the config, defaulting from TrainingArguments' bf16 or fp16.
+
+    fp16 compute trains with a gradient scaler (the trainer's `AgreedGradScaler`); the masters stay fp32 and
+    gradients are reduced in fp32, as under bf16.
 
     Raises:
-        ValueError: when `fp16` is True (FSDP2 has no sharded loss scaling; use bf16).
+        ValueError: when bf16 and fp16 are both set, or fp16 with another `param_dtype`.
     """
-    if fp16:
+    if bf16 and fp16:
+        raise ValueError("TrainingArguments(bf16=True, fp16=True): choose one compute dtype (bf16 where GPUs have it).")
+    if fp16 and config.param_dtype not in (None, "float16"):
         raise ValueError(
-            "TrainingArguments(fp16=True) is not supported with FSDP2 (no sharded loss scaling); use bf16=True."
+            f"TrainingArguments(fp16=True) with FSDP2Config(param_dtype={config.param_dtype!r}): fp16 means float16 "
+            "compute. Leave param_dtype unset, or drop fp16=True to compute in that dtype."
         )
-    param_dtype = resolve_dtype(config.param_dtype or ("bfloat16" if bf16 else None))
+    default = "bfloat16" if bf16 else "float16" if fp16 else None
+    param_dtype = resolve_dtype(config.param_dtype or default)
     reduce_name = config.reduce_dtype or ("float32" if param_dtype not in (None, torch.float32) else None)
     return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=resolve_dtype(reduce_name))
 

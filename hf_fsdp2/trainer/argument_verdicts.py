@@ -16,6 +16,10 @@ Verdict = Literal["honoured", "refused", "no effect"]
 _HONOURED = {
     "per_device_train_batch_size": "each rank's batch (tests/test_parity.py)",
     "num_train_epochs": "Trainer's loop",
+    "auto_find_batch_size": (
+        "an out-of-memory error on any rank makes every rank retry with the same smaller batch, where every rank can "
+        "step back together (tests/test_switches.py; the limits: docs/troubleshooting.md)"
+    ),
     "max_steps": "Trainer's loop (tests/test_parity.py)",
     "learning_rate": "the optimizer over the shards (hf_fsdp2.Muon: both its parts; tests/test_muon.py)",
     "lr_scheduler_type": "Trainer's scheduler",
@@ -33,7 +37,22 @@ _HONOURED = {
     "max_grad_norm": "global norm over the DTensor gradients (tests/test_parity.py)",
     "label_smoothing_factor": "Trainer's LabelSmoother on each rank's rows (tests/test_argument_verdicts.py)",
     "bf16": "FSDP2's MixedPrecisionPolicy (fp32 masters, bf16 compute)",
+    "fp16": (
+        "FSDP2's MixedPrecisionPolicy (fp32 masters, fp16 compute, fp32 reduction) and a gradient scaler whose "
+        "inf/NaN check covers every rank's shards, saved in checkpoints (tests/test_switches.py)"
+    ),
+    "bf16_full_eval": (
+        "evaluation computes in bf16 through the units' compute dtype; the fp32 masters are never cast (also during "
+        "train(), where plain Trainer keeps the training dtype; tests/test_switches.py)"
+    ),
+    "fp16_full_eval": "as bf16_full_eval, in fp16 (tests/test_switches.py)",
     "tf32": "a global torch setting",
+    "use_liger_kernel": (
+        "on CUDA: Trainer applies Liger to the sharded model and its fused loss runs in the root unit's forward, where "
+        "the head is gathered (sharding/liger.py; refused without a CUDA device, with a PEFT-wrapped head, a head in "
+        "a unit of its own, or loss_chunk_size). Untested here: no GPU run yet"
+    ),
+    "liger_kernel_config": "with `use_liger_kernel`",
     "activation_checkpointing": "Trainer's; refused together with FSDP2Config(fsdp_activation_checkpointing=True)",
     "activation_checkpointing_kwargs": "with `activation_checkpointing`",
     "gradient_checkpointing": "the model's own, on the skeleton (tests/test_dropin.py)",
@@ -71,22 +90,7 @@ _HONOURED = {
 
 # Refused: what goes wrong when sharded, and what to do instead.
 _REFUSED = {
-    "auto_find_batch_size": (
-        "it retries a smaller batch after an out-of-memory error on one rank while the other ranks wait in that "
-        "step's collectives forever. Set per_device_train_batch_size yourself (hf_fsdp2.plan estimates what fits)"
-    ),
-    "fp16": "FSDP2 has no sharded loss scaling. Use bf16=True",
     "deepspeed": "DeepSpeed and FSDP2 both shard the model. Remove it",
-    "use_liger_kernel": (
-        "Liger's fused kernels read the LM head's weight outside the forward, where it is sharded. For a chunked "
-        "loss use FSDP2Config(loss_chunk_size=...)"
-    ),
-    "liger_kernel_config": "it configures use_liger_kernel, which is refused. Remove it",
-    "bf16_full_eval": (
-        "Trainer casts the model to bf16 in place for evaluation, and with it the sharded fp32 master weights. "
-        "With bf16=True evaluation already computes in bf16"
-    ),
-    "fp16_full_eval": "Trainer casts the model to fp16 in place, and with it the sharded fp32 master weights",
     "parallelism_config": (
         "Accelerate's tensor/context parallelism would shard the model a second way. Use FSDP2Config "
         "(hsdp_replicate_size, sequence_parallel_size)"

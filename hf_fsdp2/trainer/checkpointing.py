@@ -4,7 +4,8 @@ from_pretrained-ready exports of the live model.
 It decides when and what is written; the DCP files are `checkpoints.sharded`'s, the Hugging Face folders
 `export.live`'s; reading a checkpoint back is not its job. Every private Trainer hook it touches:
 - `_save_checkpoint`: every save is a sharded DCP save under a staging name, renamed when complete
-  (tests/test_checkpoint.py). It reuses `_save_rng_state`, `store_flos` and `_get_output_dir`.
+  (tests/test_checkpoint.py). It reuses `_save_rng_state`, `_save_scaler` (fp16's `scaler.pt`, read back by Trainer's
+  `_load_scaler`; tests/test_switches.py resume), `store_flos` and `_get_output_dir`.
 - `_finalize_training`: waits for a pending asynchronous save before training ends.
 - `save_model`: writes a from_pretrained-ready folder, gathering one tensor at a time (a PEFT model: its
   adapter folder, or the merged model with `merge_adapters_on_save`).
@@ -134,12 +135,16 @@ class CheckpointMixin:
         return sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
 
     def _save_checkpoint_files(self, directory: str) -> None:
-        """Everything beside the DCP folders: RNG (every rank), scheduler, state, args, config, tokenizer."""
+        """Everything beside the DCP folders: RNG (every rank), scheduler, fp16's scaler, state, args, config,
+        tokenizer."""
         self._save_rng_state(directory)
         if not self.args.should_save:
             return
-        if not self.args.save_only_model and self.lr_scheduler is not None:
-            torch.save(self.lr_scheduler.state_dict(), os.path.join(directory, SCHEDULER_NAME))
+        if not self.args.save_only_model:
+            if self.lr_scheduler is not None:
+                torch.save(self.lr_scheduler.state_dict(), os.path.join(directory, SCHEDULER_NAME))
+            # Trainer's own writer: scaler.pt when training in fp16 (the same on every rank: precision.py).
+            self._save_scaler(directory)
         torch.save(self.args, os.path.join(directory, TRAINING_ARGS_NAME))
         # An adapter checkpoint gets no config.json: it is not a from_pretrained folder of the base model.
         write_model_files(None if self._peft else self.model, directory, self.processing_class)

@@ -49,7 +49,7 @@ def resolve_config(config: FSDP2Config | None, args: Any) -> FSDP2Config:
     When `args` asked Accelerate for FSDP, it is told not to (FSDP2Trainer shards the model itself).
 
     Raises:
-        ValueError: for a setting that cannot carry over (FSDP1, its options, XLA, fp16), naming it and the fix.
+        ValueError: for a setting that cannot carry over (FSDP1, its options, XLA), naming it and the fix.
     """
     config = _carry_parallelism(config if config is not None else FSDP2Config(), args)
     found = _read_settings(args)
@@ -232,18 +232,14 @@ def _log_notes(source: str, plugin: Any) -> None:
 
 
 def _carry_mixed_precision(config: FSDP2Config, args: Any) -> FSDP2Config:
-    """`accelerate launch --mixed_precision bf16` (TrainingArguments.mixed_precision) means bf16 compute here.
-
-    Raises:
-        ValueError: for fp16, which FSDP2 cannot scale (as TrainingArguments(fp16=True) is refused).
-    """
+    """`accelerate launch --mixed_precision bf16|fp16` (TrainingArguments.mixed_precision) means that compute dtype
+    here; fp16 then trains with the gradient scaler, as TrainingArguments(fp16=True) does."""
     mixed = getattr(args, "mixed_precision", "no") if args is not None else os.environ.get("ACCELERATE_MIXED_PRECISION")
-    if mixed == "fp16" and not getattr(args, "fp16", False):
-        raise ValueError(
-            "accelerate launch --mixed_precision fp16 is not supported with FSDP2 (no sharded loss scaling); "
-            "launch with --mixed_precision bf16."
-        )
-    if mixed == "bf16" and config.param_dtype is None and not getattr(args, "bf16", False):
-        log_rank0("Carried over from accelerate launch --mixed_precision bf16: param_dtype='bfloat16'.")
-        return dataclasses.replace(config, param_dtype="bfloat16")
-    return config
+    dtypes = {"bf16": ("bfloat16", "bf16"), "fp16": ("float16", "fp16")}
+    if mixed not in dtypes or config.param_dtype is not None:
+        return config
+    dtype, flag = dtypes[mixed]
+    if getattr(args, flag, False):
+        return config  # the TrainingArguments field itself says it; the policy follows it
+    log_rank0("Carried over from accelerate launch --mixed_precision %s: param_dtype=%r.", mixed, dtype)
+    return dataclasses.replace(config, param_dtype=dtype)

@@ -1,11 +1,11 @@
 """FSDP2Mixin and FSDP2Trainer: a `transformers.Trainer` (or subclass) whose model is sharded with FSDP2
 when the trainer is built.
 
-`FSDP2Mixin` composes five mixins, each owning its own state and listing the private hooks it touches:
-`PreemptionMixin` (preemption.py), `ShardingMixin` (sharding.py), `StepMixin` (step.py), `CheckpointMixin`
-(checkpointing.py) and `ResumeMixin` (resuming.py). Each sets its attributes, calls the next `__init__` (the last
-is Trainer's), and finishes what needs the built Trainer. This module reads the arguments, builds the skeleton of a
-model given by path, and touches:
+`FSDP2Mixin` composes seven mixins, each owning its own state and listing the private hooks it touches:
+`PreemptionMixin` (preemption.py), `BatchSizeMixin` (batch_size.py), `ShardingMixin` (sharding.py), `PrecisionMixin`
+(precision.py), `StepMixin` (step.py), `CheckpointMixin` (checkpointing.py) and `ResumeMixin` (resuming.py). Each
+sets its attributes, calls the next `__init__` (the last is Trainer's), and finishes what needs the built Trainer.
+This module reads the arguments, builds the skeleton of a model given by path, and touches:
 - `PreTrainedModel.from_pretrained` (patched while a subclass's `__init__` runs): the models a subclass builds from
   paths become our skeletons in the class it asked for, sharded when Trainer or `prepare_model` gets them
   (`loading.path_models`; tests/test_trl_built_models.py).
@@ -39,15 +39,19 @@ from ..loading.skeleton import from_pretrained
 from ..optim.muon_routing import Muon
 from ..planning.memory_plan import log_memory_plan
 from ..versions import check_versions_once
+from .batch_size import BatchSizeMixin
 from .checkpointing import CheckpointMixin
 from .from_accelerate import resolve_config
+from .precision import PrecisionMixin
 from .preemption import PreemptionMixin
 from .resuming import ResumeMixin
 from .sharding import ShardingMixin, validate_arguments
 from .step import StepMixin
 
 
-class FSDP2Mixin(PreemptionMixin, ShardingMixin, StepMixin, CheckpointMixin, ResumeMixin):
+class FSDP2Mixin(
+    PreemptionMixin, BatchSizeMixin, ShardingMixin, PrecisionMixin, StepMixin, CheckpointMixin, ResumeMixin
+):
     """Shards the model of any `Trainer` subclass with FSDP2: put it first, `class X(FSDP2Mixin, SFTTrainer)`.
 
     The model is sharded when `Trainer.__init__` first sees it (`create_accelerator_and_postprocess`), so

@@ -33,13 +33,14 @@ from transformers import TrainingArguments
 from ..adapters.methods import check_supported
 from ..checkpoints.adapters import check_mergeable, check_trainable_are_saved
 from ..config import FSDP2Config
-from ..distributed import log_rank0
+from ..distributed import get_device, log_rank0
 from ..loading.facts import describe, facts_of, unwrap_peft
 from ..loading.path_models import loading_for_real
 from ..loading.skeleton import from_pretrained
 from ..long_rows.sequence_parallel import SequenceParallel, check_model
 from ..model import prepare_model
-from ..sharding.units import reshard_all
+from ..sharding.liger import check_liger_machine, check_liger_model
+from ..sharding.units import reshard_all, select_units
 from .argument_verdicts import refuse_arguments
 
 
@@ -110,6 +111,11 @@ class ShardingMixin:
                 dist.get_world_size() // size,
                 self.fsdp2_config.effective_loss_chunk_size,
             )
+        if self.args.use_liger_kernel:
+            # Trainer applies Liger in train(), to the sharded model (sharding/liger.py); its fused loss must find the
+            # head whole in the root unit's forward.
+            units = select_units(model, self.fsdp2_config)
+            check_liger_model(model, units, self.args.liger_kernel_config, self.fsdp2_config)
         self._original_names = {id(p): name for name, p in model.named_parameters()}
         with loading_for_real():
             sharded = prepare_model(model, self.fsdp2_config, bf16=self.args.bf16, fp16=self.args.fp16, facts=facts)
@@ -141,7 +147,7 @@ def _sharding_extra_models(
         if evaluation_mode and model is not trainer.model and not isinstance(model, FSDPModule):
             model.requires_grad_(False)
             with loading_for_real():
-                return prepare_model(model, trainer.fsdp2_config, bf16=trainer.args.bf16).eval()
+                return prepare_model(model, trainer.fsdp2_config, bf16=trainer.args.bf16, fp16=trainer.args.fp16).eval()
         return accelerate_prepare(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
 
     return prepare
@@ -156,9 +162,12 @@ def validate_arguments(model: Any, kwargs: dict[str, Any]) -> None:
 
 
 def validate_training_args(args: TrainingArguments, config: FSDP2Config) -> None:
-    """Reject TrainingArguments fields sharding cannot honour (`argument_verdicts`), and activations checkpointed
-    twice (their FSDP settings were carried into FSDP2Config already: from_accelerate)."""
+    """Reject TrainingArguments fields sharding cannot honour (`argument_verdicts`), Liger on a machine without its
+    GPU backend, and activations checkpointed twice (their FSDP settings were carried into FSDP2Config already:
+    from_accelerate)."""
     refuse_arguments(args)
+    if args.use_liger_kernel:
+        check_liger_machine(get_device())
     if args.activation_checkpointing and config.fsdp_activation_checkpointing:
         raise ValueError(
             "Both TrainingArguments(activation_checkpointing=True) and FSDP2Config(fsdp_activation_checkpointing=True) "

@@ -125,13 +125,7 @@ def train_early_stopping(name: str, resume: str | None = None, **overrides: Any)
 
 # A value other than the default for each field FSDP2Trainer refuses (argument_verdicts).
 REFUSED_EXAMPLES: dict[str, Any] = {
-    "auto_find_batch_size": True,
-    "fp16": True,
-    "bf16_full_eval": True,
-    "fp16_full_eval": True,
     "enable_jit_checkpoint": True,
-    "use_liger_kernel": True,
-    "liger_kernel_config": {"rope": True},
     "deepspeed": {"train_batch_size": GLOBAL_BATCH},
     "parallelism_config": "tp2",
 }

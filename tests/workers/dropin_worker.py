@@ -269,7 +269,7 @@ def iterable_dataset() -> dict[str, Any]:
 
 
 def gradient_checkpointing() -> dict[str, Any]:
-    """gradient_checkpointing=True in TrainingArguments (auto_find_batch_size is refused: test_argument_verdicts)."""
+    """gradient_checkpointing=True in TrainingArguments."""
     training = args("gradient_checkpointing", gradient_checkpointing=True)
     trainer = TrainerClass(causal_model(), training, train_dataset=make_dataset(32, 96))
     trainer.train()
