@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -23,6 +24,7 @@ os.environ.setdefault(
 # on a machine without CUDA; NF4 needs none of them (hf_fsdp2 sets the same when it is imported first).
 os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
 
+from tests import collective_sites
 from tests.tiny_models import save_tiny
 
 
@@ -95,3 +97,47 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     """Leave what collection imported out of every later garbage collection (see tests/launch.py: each
     Trainer.train() runs a full gc.collect(), and tests that train in this process pay it over that heap)."""
     gc.freeze()
+
+
+_REACHED = pytest.StashKey[str]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """On the controller, make the folder where every audited worker of the session records the package lines its
+    collectives came from (tests/collective_audit.py); pytest-xdist's workers and their ranks inherit it."""
+    if hasattr(config, "workerinput") or collective_sites.REACHED_DIR in os.environ:
+        return
+    folder = tempfile.mkdtemp(prefix="hf_fsdp2_reached_")
+    os.environ[collective_sites.REACHED_DIR] = folder
+    config.stash[_REACHED] = folder
+
+
+def _whole_suite(config: pytest.Config) -> bool:
+    """True when this session ran every test: the tests folder, nothing selected or deselected."""
+    folder = os.path.dirname(os.path.abspath(__file__))
+    paths = {os.path.abspath(arg.split("::")[0]) for arg in config.args}
+    options = config.option
+    selected = options.keyword or options.markexpr or getattr(options, "lf", False) or getattr(options, "deselect", 0)
+    return paths == {folder} and not selected and not options.collectonly
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """After a whole, passing suite: fail when a collective site that tests/collective_sites.py says is reached was
+    not reached by any audited worker (the test that drove it was removed or changed); name the sites it gives a
+    reason for that were reached after all."""
+    folder = session.config.stash.get(_REACHED, None)
+    if folder is None:
+        return
+    try:
+        whole = exitstatus == 0 and _whole_suite(session.config)
+        missing, reached = collective_sites.compare(folder) if whole else ([], [])
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    for site in reached:
+        reporter.write_line(f"note: {site} was reached; tests/collective_sites.py gives a reason instead")
+    if missing:
+        reporter.write_sep("=", "collective sites not reached", red=True)
+        for site in missing:
+            reporter.write_line(f"{site}: tests/collective_sites.py says 'reached', but no audited test made it")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -6,6 +6,9 @@ that joins its group over TCP like any torchrun worker, but it skips the ~5 s of
 interpreter pays (measured here: a 4-step 2-rank run takes 10.6 s through torchrun, of which ~8 s is
 starting interpreters). Runs that test torchrun itself (restarts, signals to its agent) or what a fresh
 interpreter does at exit pass `torchrun=True` and get the real launcher.
+
+Every worker, however launched, runs under the collective audit (tests/collective_audit.py): a rank that hands a
+collective a tensor a GPU job would have on the wrong device fails with exit code 3 and the violations on stderr.
 """
 
 from __future__ import annotations
@@ -30,7 +33,10 @@ from typing import Any
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKERS = os.path.join(ROOT, "tests", "workers")
 # What the fork server imports once; every rank it forks starts with these in memory.
-PRELOAD = ["torch", "transformers.trainer", "peft", "datasets", "hf_fsdp2", "tests.workers.scenarios"]
+PRELOAD = [
+    "torch", "transformers.trainer", "peft", "datasets", "hf_fsdp2", "tests.workers.scenarios",
+    "tests.collective_audit",
+]  # fmt: skip
 _context: Any = None
 
 
@@ -66,12 +72,13 @@ def run(
 def _run_torchrun(
     path: str, nproc: int, args: tuple[str, ...], launcher_args: tuple[str, ...], env: dict, timeout: int
 ) -> subprocess.CompletedProcess:
-    """`torchrun --standalone --nproc_per_node N script args` (nproc=0: `python script args`)."""
+    """`torchrun --standalone --nproc_per_node N script args` (nproc=0: `python script args`), each process under the
+    collective audit (`tests/audited_run.py`, a module torchrun and python run with `-m`)."""
     if nproc == 0:
-        command = [sys.executable, path, *args]
+        command = [sys.executable, "-m", "tests.audited_run", path, *args]
     else:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-        command += [*launcher_args, path, *args]
+        command += [*launcher_args, "-m", "tests.audited_run", path, *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
 
 
@@ -149,7 +156,11 @@ def _read(path: str) -> str:
 
 
 def _rank_main(path: str, args: list[str], env: dict, out: str, err: str) -> None:
-    """One rank, as `python script args` would run it: its environment, argv, output files, exit handlers."""
+    """One rank, as `python script args` would run it: its environment, argv, output files, exit handlers.
+
+    The worker runs under the collective audit (tests/collective_audit.py): a tensor it hands a collective on the
+    wrong device for a GPU job fails the rank (exit code AUDIT_FAILED), with what and where on its stderr.
+    """
     os.environ.clear()
     os.environ.update(env)
     os.chdir(ROOT)
@@ -167,15 +178,21 @@ def _rank_main(path: str, args: list[str], env: dict, out: str, err: str) -> Non
     import torch
 
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
+    from tests.collective_audit import AUDIT_FAILED, audited, report
+
     sys.argv = [path, *args]
     code = 0
-    try:
-        runpy.run_path(path, run_name="__main__")
-    except SystemExit as exit_:
-        code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
-    except BaseException:
-        traceback.print_exc()
-        code = 1
+    with audited() as audit:
+        try:
+            runpy.run_path(path, run_name="__main__")
+        except SystemExit as exit_:
+            code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+    if audit.violations:
+        print(report(audit), file=sys.stderr)
+        code = code or AUDIT_FAILED
     if code == 0:
         atexit._run_exitfuncs()  # what the interpreter runs at a normal exit (hf_fsdp2 ends the group there)
     sys.stdout.flush()

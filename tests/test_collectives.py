@@ -2,10 +2,15 @@
 
 The CPU suite runs on gloo, which takes CPU tensors on every group, so a flag left on the CPU (hf_fsdp2 0.1's Muon:
 "No backend type associated with device type cpu" on the first step on 2+ GPUs) never failed here. The audit
-(`tests/collective_audit.py`) marks tensors whose device nobody chose and fails any that reaches a group that is
-NCCL on GPUs, so this class of bug fails on the CPU. The planted path replays Muon's old agreement and must be
-caught; every real path must make at least one collective (a path that took a shortcut would prove nothing), also
-at world size 1 under `communicate_when_alone` (what the GPU check runs on one GPU over NCCL).
+(`tests/collective_audit.py`) marks tensors that would be on the CPU on GPUs too and fails any that reaches a group
+that is NCCL there, or an object collective's payload holding a tensor that would be an accelerator's; the launcher
+(`tests/launch.py`) runs every worker of the suite under it, so this class of bug fails the suite on the CPU.
+
+Here: every collective path of the package (`scripts/measure/collective_paths.py`) runs under it at 2 ranks and,
+under `communicate_when_alone`, in a world of one (what the GPU check runs on one GPU over NCCL); each must make at
+least one collective (a path that took a shortcut would prove nothing). Planted bugs must fail a launch: Muon's old
+agreement, a flag without a device planted in `agree`, a device-chosen tensor in `all_gather_object`, a piece of
+`.chunk()` of an unplaced tensor, and a tensor moved `.to("cpu")`.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import pytest
 import torch
 
 from hf_fsdp2 import distributed
+from tests.collective_audit import AUDIT_FAILED
 from tests.launch import run
 
 
@@ -58,3 +64,39 @@ def test_agree_reduces_on_the_device_its_group_takes(monkeypatch):
     assert seen == [("cpu", "host"), ("meta", "nccl")]
     with pytest.raises(ValueError, match="not one of"):
         distributed.agree([1], "mean")
+
+
+PLANTED = ("planted_agree", "object_payload", "chunked", "moved_to_cpu")
+WORKER = "tests/workers/planted_collectives_worker.py"
+
+
+@pytest.fixture(scope="module")
+def planted() -> list[str]:
+    """The first line of each violation rank 0 reported, from one 2-rank launch of every case and the allowed ones."""
+    proc = run("planted_collectives_worker.py", 2, *PLANTED, "allowed", expect_ok=False)
+    # NOTE: AUDIT_FAILED is what fails a test that launches with expect_ok=True: a planted bug fails the suite.
+    assert proc.returncode == AUDIT_FAILED, proc.stderr[-4000:]
+    report = proc.stderr.split("collective audit: ")[1]  # rank 0's (rank 1's follows its own header)
+    return [line for line in report.splitlines()[1:] if " at " in line and not line.startswith(" ")]
+
+
+def test_a_flag_without_a_device_planted_in_agree_fails_the_launch(planted):
+    [violation] = [v for v in planted if "(_planted_agree)" in v]
+    assert violation.startswith("all_reduce at hf_fsdp2/loading/branches.py:") and "NCCL on GPUs" in violation
+
+
+def test_a_device_chosen_tensor_in_an_object_collective_fails_the_launch(planted):
+    [violation] = [v for v in planted if v.startswith("all_gather_object at ")]
+    assert "hf_fsdp2/distributed.py" in violation and "(first_on_any_rank)" in violation
+    assert "send Python numbers" in violation
+
+
+@pytest.mark.parametrize("case", ["chunked", "moved_to_cpu"])
+def test_a_marked_piece_or_a_tensor_moved_to_the_cpu_fails_the_launch(planted, case):
+    [violation] = [v for v in planted if v.startswith(f"all_reduce at {WORKER}:") and f"({case})" in v]
+    assert f"written as the CPU, at {WORKER}:" in violation and "NCCL on GPUs" in violation
+
+
+def test_chosen_devices_cpu_payloads_and_host_groups_pass(planted):
+    assert [v for v in planted if "(allowed)" in v] == []
+    assert len(planted) == len(PLANTED)

@@ -56,7 +56,10 @@ class SequenceParallel:
         """This rank's slice of each member's micro-batch, member by member (the same order on every rank)."""
         check_inputs(inputs)
         members: list[Any] = [None] * self.size
-        local = ({k: v.cpu() for k, v in inputs.items() if k in _ROW_KEYS}, num_items_in_batch)
+        # NOTE: the token count crosses as a Python number: Trainer's is a tensor on the accelerator, and a pickled
+        # CUDA tensor is unpickled onto the sender's device on every rank. It becomes a tensor like ours below.
+        count = num_items_in_batch.item() if torch.is_tensor(num_items_in_batch) else num_items_in_batch
+        local = ({k: v.cpu() for k, v in inputs.items() if k in _ROW_KEYS}, count)
         dist.all_gather_object(members, local, group=self.group)
         for batch, num_items in members:
             if num_items is None:
@@ -64,6 +67,8 @@ class SequenceParallel:
                     "sequence_parallel_size needs the token count Trainer passes to causal LM losses "
                     "(num_items_in_batch), and this step had none; train a causal LM with labels."
                 )
+            if torch.is_tensor(num_items_in_batch):
+                num_items = torch.tensor(num_items, dtype=num_items_in_batch.dtype, device=num_items_in_batch.device)
             rows = split_row(batch, self.size, self.rank)
             layout = RowLayout(self.group, self.size, self.implementation, documents_of(rows.pop("whole_positions")))
             yield Part(rows, layout, num_items)

@@ -13,7 +13,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from hf_fsdp2 import close_distributed
-from hf_fsdp2.distributed import init_distributed
+from hf_fsdp2.distributed import get_device, init_distributed
 from hf_fsdp2.meshes import build_mesh
 
 
@@ -32,19 +32,20 @@ def gloo_threads() -> int:
 def train_a_step() -> float:
     """One FSDP2 step, one DDP step and a DTensor gather: every path that touches the group's caches."""
     torch.manual_seed(0)
+    device = get_device()  # NOTE: the job's groups take the accelerator's tensors on GPUs
     sharded = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
     mesh = build_mesh()
     fully_shard(sharded[0], mesh=mesh)
     fully_shard(sharded, mesh=mesh)
-    sharded(torch.ones(2, 8)).sum().backward()
-    replicated = DistributedDataParallel(torch.nn.Linear(8, 8))
-    replicated(torch.ones(2, 8)).sum().backward()
+    sharded(torch.ones(2, 8, device=device)).sum().backward()
+    replicated = DistributedDataParallel(torch.nn.Linear(8, 8).to(device))
+    replicated(torch.ones(2, 8, device=device)).sum().backward()
     return sharded[0].weight.full_tensor().sum().item()
 
 
 def main() -> None:
     init_distributed()
-    total = torch.tensor([dist.get_rank() + 1.0])
+    total = torch.tensor([dist.get_rank() + 1.0], device=get_device())
     dist.all_reduce(total)
     train_a_step()
     threads_before = gloo_threads()

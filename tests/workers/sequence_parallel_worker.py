@@ -193,16 +193,17 @@ def write(out: str, result: dict) -> None:
 
 def probe(opts: argparse.Namespace) -> dict:
     """Split forward of a packed row of three documents vs the unsplit model, and the perturbation counts."""
-    from hf_fsdp2.distributed import init_distributed
+    from hf_fsdp2.distributed import get_device, init_distributed
     from hf_fsdp2.long_rows.sequence_parallel import SequenceParallel, check_model, split_row
     from hf_fsdp2.long_rows.ulysses_attention import RowLayout, documents_of, ulysses
 
     init_distributed()
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(opts.model, attn_implementation=opts.attn).eval()
+    device = get_device()  # NOTE: the sequence group's collectives take the accelerator's tensors on GPUs
+    model = AutoModelForCausalLM.from_pretrained(opts.model, attn_implementation=opts.attn).eval().to(device)
     lengths = [17, 23, 11]
-    ids = torch.randint(3, VOCAB, (1, sum(lengths)))
-    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    ids = torch.randint(3, VOCAB, (1, sum(lengths))).to(device)
+    positions = torch.cat([torch.arange(n) for n in lengths])[None].to(device)
     changed = ids.clone()
     changed[:, : lengths[0]] = torch.randint(3, VOCAB, (1, lengths[0]))
     group = SequenceParallel(opts.sp, check_model(model, opts.sp, dist.get_world_size()))
