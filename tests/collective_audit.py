@@ -307,6 +307,8 @@ class _Auditor:
         self.reached: set[tuple[str, int, str]] = set()
         self.originals: list[tuple[ModuleType | type, str, Any]] = []
         self.inside = threading.local()  # a collective that calls another (object collectives, nn.functional)
+        # Groups any code made with backend="gloo" spelled out (vLLM's cpu_group, ours): gloo on GPUs too.
+        self.gloo_groups: dict[int, weakref.ref] = {}
 
     def install(self) -> None:
         """Wrap every audited function in its module."""
@@ -321,6 +323,8 @@ class _Auditor:
             original = getattr(module, name)
             self.originals.append((module, name, original))
             setattr(module, name, self._host_source(original))
+        self.originals.append((dist, "new_group", dist.new_group))
+        dist.new_group = self._noting_gloo_groups(dist.new_group)
         self.originals.append((OptimizeContext, "__call__", OptimizeContext.__dict__.get("__call__")))
         OptimizeContext.__call__ = self._compile_unaudited(OptimizeContext.__call__)
 
@@ -388,6 +392,24 @@ class _Auditor:
 
         return marked
 
+    def _noting_gloo_groups(self, new_group: Callable) -> Callable:
+        """`dist.new_group` that remembers the groups made with backend="gloo" spelled out."""
+
+        @functools.wraps(new_group)
+        def noting(*args: Any, **kwargs: Any) -> Any:
+            group = new_group(*args, **kwargs)
+            backend = inspect.signature(new_group).bind(*args, **kwargs).arguments.get("backend")
+            if isinstance(group, dist.ProcessGroup) and str(backend) == "gloo":
+                self.gloo_groups[id(group)] = weakref.ref(group)
+            return group
+
+        return noting
+
+    def _is_host(self, group: Any) -> bool:
+        """True for a group that is gloo on GPUs too: hf_fsdp2's host groups, or any made with backend="gloo"."""
+        known = self.gloo_groups.get(id(group))
+        return made_for_host(group) or (known is not None and known() is group)
+
     def _tensor_check(self, name: str) -> Callable[[inspect.BoundArguments], str | None]:
         """The check of a tensor collective: no marked tensor on a group that is NCCL on GPUs."""
 
@@ -399,7 +421,7 @@ class _Auditor:
                 group = _process_group(arguments.pop("group", None))
                 pairs = [(t, group) for t in _tensors(arguments)]
             # NOTE: on the CPU every group is gloo; on GPUs every group but those made for the host is NCCL.
-            wrong = [(t, g) for t, g in pairs if not made_for_host(g) and self.marks.is_marked(t)]
+            wrong = [(t, g) for t, g in pairs if not self._is_host(g) and self.marks.is_marked(t)]
             if not wrong:
                 return None
             tensor, group = wrong[0]
@@ -465,11 +487,22 @@ def _set_aside(mode: TorchFunctionMode) -> Iterator[None]:
 
 
 def _package_frame() -> FrameType | None:
-    """The innermost frame of hf_fsdp2's own code on the stack, if any."""
+    """hf_fsdp2's frame that made the collective: the first frame outside torch and this audit, if it is the package's.
+
+    NOTE: a collective another library makes (vLLM's, Trainer's) is not the package's, even when hf_fsdp2 code is
+    further up the stack (a mixin's `__init__` around TRL's).
+    """
     frame = sys._getframe(1)
-    while frame is not None and not frame.f_code.co_filename.startswith(PACKAGE):
+    while frame is not None and _inside_torch_or_audit(frame.f_code.co_filename):
         frame = frame.f_back
-    return frame
+    return frame if frame is not None and frame.f_code.co_filename.startswith(PACKAGE) else None
+
+
+def _inside_torch_or_audit(filename: str) -> bool:
+    return filename.startswith(_TORCH) or filename == __file__ or filename.endswith(("functools.py", "contextlib.py"))
+
+
+_TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 
 
 def _process_group(group: Any) -> Any:

@@ -82,7 +82,9 @@ def planted() -> list[str]:
 
 def test_a_flag_without_a_device_planted_in_agree_fails_the_launch(planted):
     [violation] = [v for v in planted if "(_planted_agree)" in v]
-    assert violation.startswith("all_reduce at hf_fsdp2/loading/branches.py:") and "NCCL on GPUs" in violation
+    # Named where the collective is called: the planted function (the package's agree, replaced), the line to fix.
+    assert violation.startswith("all_reduce at tests/workers/planted_collectives_worker.py:")
+    assert "NCCL on GPUs" in violation
 
 
 def test_a_device_chosen_tensor_in_an_object_collective_fails_the_launch(planted):
