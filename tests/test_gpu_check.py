@@ -4,6 +4,7 @@ code, so the script a lent GPU gets cannot rot between loans; and the docs' GPU 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -15,6 +16,8 @@ from tests.launch import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "scripts", "measure"))
 import gpu_check  # noqa: E402
+from gpu_parts import switches  # noqa: E402
+from gpu_parts.common import FP16_REL_TOLERANCE  # noqa: E402
 from gpu_parts.two_ranks import JOBS, ONE_PROCESS, TWO_RANKS_ONLY  # noqa: E402
 
 SCRIPT = os.path.join(ROOT, "scripts", "measure", "gpu_check.py")
@@ -98,6 +101,42 @@ def test_two_ranks_hold_every_job_against_one_process(dry_run):
     table = gpu_check.render_markdown(dry_run)
     assert "| job (2 ranks on gloo) | 2 ranks (one GPU) vs one process | tolerance | outcome |" in table
     assert all(f"| {job} |" in table for job in JOBS)
+
+
+def test_switches_skip_liger_without_cuda_and_train_fp16_on_the_cpu(dry_run):
+    """Part "switches" on the CPU: both Liger runs skipped (FSDP2Trainer refuses by name; plain Trainer is not tried);
+    our fp16 trains with a loss scale, within fp16's tolerance of plain Trainer(fp16=True), which computes in fp32 on a
+    CPU (so the two differ: ours really computed in fp16)."""
+    runs = dry_run["parts"]["switches"]["runs"]
+    # one worker per system, Liger last in each (it patches transformers' Llama for the whole process)
+    workers = ["hf_fsdp2 fp16", "hf_fsdp2 loss_chunk_size", "hf_fsdp2 liger", "trainer fp16", "trainer liger"]
+    assert list(runs) == workers
+    assert {name: run.get("status") for name, run in runs.items() if "status" in run or "error" in run} == {
+        "hf_fsdp2 liger": "skipped: no CUDA",
+        "trainer liger": "skipped: no CUDA",
+    }
+    assert "Liger's kernels are Triton kernels" in runs["hf_fsdp2 liger"]["refused"]
+    assert "Triton has no CPU backend" in runs["trainer liger"]["refused"]
+    ours, plain = runs["hf_fsdp2 fp16"], runs["trainer fp16"]
+    assert ours["grad_scaler"] and not plain["grad_scaler"]  # Accelerate makes no scaler for fp16 on a CPU
+    assert len(ours["losses"]) == 6 and all(math.isfinite(x) for x in ours["losses"]), ours["losses"]
+    assert ours["losses"][-1] < ours["losses"][0] and ours["skipped_steps"] == []
+    assert ours["loss_scales"] == [65536.0] * 6  # torch's initial scale, not yet grown (every 2000 steps)
+    diff = max(abs(a - b) for a, b in zip(ours["losses"], plain["losses"], strict=True))
+    assert 0 < diff <= FP16_REL_TOLERANCE * max(plain["losses"]), diff
+    assert runs["hf_fsdp2 loss_chunk_size"]["tokens_per_s"] > 0
+    table = gpu_check.render_markdown(dry_run)
+    assert "| hf_fsdp2 liger | skipped: no CUDA |" in table and "| trainer liger | skipped: no CUDA |" in table
+    assert "| hf_fsdp2 fp16 | fp16, scaled loss |" in table
+    assert "| trainer fp16 | fp32 (no scaler, no autocast) |" in table
+
+
+@pytest.mark.parametrize("system", ["hf_fsdp2", "trainer"])
+def test_a_liger_run_on_a_gpu_without_liger_kernel_is_skipped_and_says_so(system, monkeypatch):
+    monkeypatch.setattr(switches, "on_cuda", lambda: True)
+    monkeypatch.setitem(sys.modules, "liger_kernel", None)  # find_spec answers None: not installed
+    record = switches.switched({"name": "liger", "system": system, "liger": True})
+    assert record["status"] == "skipped: liger-kernel not installed" and "liger-kernel==" in record["fix"]
 
 
 def test_the_gpus_two_rank_launch_runs_on_the_cpu_through_torchrun_and_shared_device(workdir, dry_run):

@@ -15,6 +15,14 @@ estimates):
                  and bf16, LoRA, QLoRA, cpu_offload with clipping (and a control: torch's own mesh must fail),
                  Muon, Adafactor, sequence parallelism, GRPO scored by a reward model, DPO, save -> resume ->
                  consolidate -> from_pretrained; tiny models (gpu_parts/two_ranks.py)                     (~120)
+    switches     Liger and fp16 on CUDA (issue 61), each against plain Trainer with the same switch over the same
+                 steps (gpu_parts/switches.py). 1B at throughput's sizes, bf16: FSDP2Trainer + Liger, Trainer + Liger,
+                 and FSDP2Config(loss_chunk_size=4096) without Liger: losses against Trainer + Liger (bf16's 2%),
+                 tokens/s, peak. 100M (fp32 weights), parity's 20 steps: FSDP2Trainer(fp16=True) against
+                 Trainer(fp16=True) (autocast + GradScaler): losses within 0.25% of the largest (bf16's 2% over 8:
+                 fp16's 10 mantissa bits round 8x finer), skipped (overflow) steps, loss scale, tokens/s. Liger comes
+                 from --wheels; without it the Liger runs say "skipped: liger-kernel not installed". On the CPU
+                 rehearsal both Liger runs are "skipped: no CUDA" and Trainer's fp16 computes in fp32        (~105)
     parity       100M, 20 steps: FSDP2Trainer against plain Trainer, bf16 (fp32 masters) and fp32             59
     throughput   1B, 4 x 2048 tokens, bf16: FSDP2Trainer, Trainer, Trainer + Accelerate's FSDP2 plugin, each
                  with and without activation checkpointing: tokens/s, MFU, peak max_memory_allocated         92
@@ -82,18 +90,22 @@ from gpu_parts.common import FP32_TOLERANCE, PEAK_BF16, free_memory, sizes  # no
 from gpu_parts.generation import generate  # noqa: E402
 from gpu_parts.planner import measured_for_planner, planner  # noqa: E402
 from gpu_parts.report import render_markdown  # noqa: E402
+from gpu_parts.switches import LIGER_WHEEL, plan_switches, switched  # noqa: E402
 from gpu_parts.training import train  # noqa: E402
 from gpu_parts.two_ranks import plan_two_ranks, two_ranks  # noqa: E402
 
 # Dense bf16 peak FLOP/s by GPU name (SXM parts; the H200 has the H100's compute).
 PARTS = (
-    *("collectives", "two_ranks", "parity", "throughput", "compile", "qlora", "long_rows", "offload", "generation"),
-    *("checkpoints", "planner"),
+    *("collectives", "two_ranks", "switches", "parity", "throughput", "compile", "qlora", "long_rows", "offload"),
+    *("generation", "checkpoints", "planner"),
 )
 # Seconds each part took on one H100 (2026-11-27); checkpoints: its failed first try took 90.
 ESTIMATE_S = {"parity": 60, "throughput": 95, "compile": 40, "qlora": 35, "long_rows": 50, "offload": 35}
 ESTIMATE_S |= {"generation": 60, "checkpoints": 90, "planner": 35, "collectives": 30}
 ESTIMATE_S |= {"two_ranks": 120}  # not measured yet: two launches' imports (~15 s each) and 23 tiny jobs
+# Not measured yet: two workers' imports and first runs (~25 s each, as parity's), three 1B runs (~6 s each, as
+# throughput's second runs) and Liger's Triton compilations (~20 s, a guess).
+ESTIMATE_S |= {"switches": 105}
 # A part whose ranks can wait on each other has a time limit of its own on a GPU: a job that leaves one rank in a
 # collective would otherwise hold the loan until the whole budget is spent.
 LIMIT_S = {"two_ranks": 300}
@@ -128,6 +140,7 @@ def plan_runs(dry_run: bool) -> dict[str, list[dict[str, Any]]]:
         "checkpoints": [dict(model="m1b", name="checkpoints", kind="checkpoints", bf16=True, batch=1, seq=256)],
         "planner": [dict(name="planner", kind="planner")],
         "two_ranks": plan_two_ranks(),
+        "switches": plan_switches(big, parity, s["chunk"]),
     }
 
 
@@ -279,7 +292,7 @@ def install_wheels(folder: str, workdir: str, env: dict) -> dict:
 def fetch_wheels(folder: str) -> None:
     """Download (on a machine with the package registry) the wheels a bare GPU image needs: every requirement of
     the package but torch (hf_fsdp2/requirements/core.txt), and the qlora extra, at the versions installed here, for
-    the image's Python 3.12."""
+    the image's Python 3.12; and liger-kernel for part "switches", pinned there (Triton-only, so not installed here)."""
     from importlib.metadata import version
 
     lines = []
@@ -289,7 +302,7 @@ def fetch_wheels(folder: str) -> None:
     names = [line.split(">")[0].split("=")[0].split("<")[0].strip() for line in lines if line.strip()]
     # datasets' pins the image may not meet; huggingface_hub and tokenizers are left as the image has them.
     names += ["dill", "multiprocess", "fsspec", "regex"]
-    pins = [f"{name}=={version(name)}" for name in names if name != "torch"]
+    pins = [f"{name}=={version(name)}" for name in names if name != "torch"] + [LIGER_WHEEL]
     platforms = [f"--platform=manylinux_{v}_x86_64" for v in ("2_28", "2_24", "2_17")] + [
         "--platform=manylinux2014_x86_64"
     ]
@@ -480,6 +493,7 @@ RUNNERS = {
     "planner": planner,
     "build": build,
     "two_ranks": two_ranks,
+    "switches": switched,
 }
 
 

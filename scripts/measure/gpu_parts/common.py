@@ -11,6 +11,10 @@ PEAK_BF16 = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12, "B200": 2250e12
 BF16_REL_TOLERANCE = 0.02  # bf16 rounds to 2^-8 relative: 20 steps of two different bf16 programs stay within 2%
 
 
+# fp16 keeps 10 mantissa bits (rounds to 2^-11 relative), 8 times finer than bf16's 2^-8: the bf16 tolerance over 8.
+FP16_REL_TOLERANCE = BF16_REL_TOLERANCE / 8
+
+
 FP32_TOLERANCE = 1e-5
 
 
@@ -91,6 +95,7 @@ def training_arguments(spec: dict, out: str, **extra: Any) -> Any:
     return TrainingArguments(
         output_dir=out, per_device_train_batch_size=spec["batch"], max_steps=spec["steps"],
         learning_rate=spec["lr"], lr_scheduler_type="constant", logging_steps=1, save_strategy="no",
-        report_to=[], disable_tqdm=True, bf16=spec.get("bf16", False), use_cpu=not torch.cuda.is_available(),
+        report_to=[], disable_tqdm=True, bf16=spec.get("bf16", False), fp16=spec.get("fp16", False),
+        use_liger_kernel=spec.get("liger", False), use_cpu=not torch.cuda.is_available(),
         dataloader_drop_last=True, seed=0, **extra,
     )  # fmt: skip

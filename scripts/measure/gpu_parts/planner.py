@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from gpu_parts.common import model_path, on_cuda
 
+# Parts whose runs the planner is not held against: parity, and switches (`plan` takes no fp16 or Liger).
+SKIPPED = ("parity", "switches")
+
 
 def measured_for_planner(results: dict) -> list[dict]:
     """Every FSDP2Trainer training run measured so far, with what the planner needs to plan it again."""
@@ -12,7 +15,7 @@ def measured_for_planner(results: dict) -> list[dict]:
     for part, outcome in results["parts"].items():
         for name, run in outcome.get("runs", {}).items():
             spec = run.get("spec", {})
-            if spec.get("system", "hf_fsdp2") == "hf_fsdp2" and "train_peak_mib" in run and part != "parity":
+            if spec.get("system", "hf_fsdp2") == "hf_fsdp2" and "train_peak_mib" in run and part not in SKIPPED:
                 out.append(
                     {
                         "run": f"{part}: {name}",

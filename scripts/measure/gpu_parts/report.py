@@ -6,6 +6,7 @@ from gpu_parts.checkpoints import checkpoint_table
 from gpu_parts.collectives import collectives_table
 from gpu_parts.generation import generation_table
 from gpu_parts.planner import planner_table
+from gpu_parts.switches import switches_table
 from gpu_parts.training import parity_table, simple_table, throughput_table
 from gpu_parts.two_ranks import two_ranks_table
 
@@ -30,6 +31,7 @@ def render_markdown(results: dict) -> str:
     ]
     lines += collectives_table(parts.get("collectives", {}))
     lines += two_ranks_table(parts.get("two_ranks", {}))
+    lines += switches_table(parts)
     lines += parity_table(parts.get("parity", {}))
     lines += throughput_table(parts, env)
     lines += simple_table(parts, "qlora", ["load_peak_mib", "train_peak_mib", "step_median_s", "tokens_per_s"])

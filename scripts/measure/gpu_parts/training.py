@@ -106,8 +106,9 @@ def probe(record: dict, start: float, baseline: float) -> Any:
 BUILDERS = {"hf_fsdp2": hf_fsdp2_trainer, "trainer": plain_trainer, "accelerate": accelerate_trainer}
 
 
-def train(spec: dict) -> dict:
-    """Load and train one configuration; load time and peak, step times, losses, training peak, tokens/s."""
+def train(spec: dict, callbacks: tuple[Any, ...] = ()) -> dict:
+    """Load and train one configuration; load time and peak, step times, losses, training peak, tokens/s (a part's
+    own `callbacks` record more)."""
     import statistics
 
     from transformers import AutoConfig
@@ -117,7 +118,8 @@ def train(spec: dict) -> dict:
     record: dict[str, Any] = {"step_s": [], "losses": []}
     out = os.path.join(os.environ["GPU_CHECK_WORKDIR"], "runs", spec["part"], spec["name"].replace(" ", "_"))
     baseline = reset_memory_mark()
-    trainer = BUILDERS[spec.get("system", "hf_fsdp2")](spec, data, out, [probe(record, time.perf_counter(), baseline)])
+    probes = [probe(record, time.perf_counter(), baseline), *callbacks]
+    trainer = BUILDERS[spec.get("system", "hf_fsdp2")](spec, data, out, probes)
     trainer.train()
     record["train_peak_mib"] = round(memory_mark() - baseline, 1)
     timed = record["step_s"][spec["warmup"] :] or record["step_s"]
