@@ -251,7 +251,7 @@ def test_reads_are_batched_in_order_within_the_budget():
 
 def test_streamed_file_across_staging_buffers_holds_every_tensor(tmp_path, monkeypatch):
     """Tensors cut across the writer's staging buffers (one block each here) keep their order and bytes."""
-    from hf_fsdp2 import direct_io
+    from hf_fsdp2.checkpoints import direct_io
     from hf_fsdp2.export.hf_folder import SafetensorsStream, TensorSpec
 
     monkeypatch.setattr(direct_io, "CHUNK_BYTES", direct_io.BLOCK)
