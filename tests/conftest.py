@@ -141,3 +141,16 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         for site in missing:
             reporter.write_line(f"{site}: tests/collective_sites.py says 'reached', but no audited test made it")
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Say in the summary when the tests that need real vLLM were skipped, and how to run them."""
+    import importlib.util
+
+    ran_vllm_module = any("test_vllm" in str(path) for path in terminalreporter.config.args) or not any(
+        "::" in str(path) or str(path).endswith(".py") for path in terminalreporter.config.args
+    )
+    if ran_vllm_module and importlib.util.find_spec("vllm") is None:
+        terminalreporter.write_line(
+            "tests/test_vllm.py skipped: vLLM is not installed here; bash scripts/test_vllm.sh runs it with vLLM"
+        )

@@ -63,7 +63,10 @@ def _ok(result: dict) -> dict:
 def test_one_process_gives_plain_trls_rewards_and_log_prob_gaps(runs, scenario):
     ours, plain = _ok(runs["fsdp2-1"][scenario]), _ok(runs["plain-1"][scenario])
     assert ours["rewards"] == plain["rewards"]  # vLLM generated the same completions from the same weights
-    assert ours["gap_mean"] == pytest.approx(plain["gap_mean"], abs=1e-5)
+    # Before any update the trainers' log-probs agree to rounding; four fp32 updates later FSDP2's and plain Trainer's
+    # weights differ by ~1e-7 (their sums run in another order): LoRA's gap at step 5 moved by 1.0e-5 of 5.1e-4.
+    assert ours["gap_mean"][0] == pytest.approx(plain["gap_mean"][0], abs=1e-6)
+    assert ours["gap_mean"] == pytest.approx(plain["gap_mean"], abs=5e-5)
 
 
 @pytest.mark.parametrize("scenario", ["full", "lora"])
