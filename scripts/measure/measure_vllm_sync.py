@@ -7,7 +7,7 @@ Two ways over the same `prepare_model`-sharded Llama, each a full pass over ever
 Only the gathering is timed (a consumer that drops each tensor): loading into vLLM is the engine's cost, the same for
 both, and vLLM's CPU build loads through a test-only adapter that would dominate here. Every rank iterates, as both
 must (the gathers are collectives); the time is rank 0's, median of `--repeats` passes after one warm-up pass, all
-ranks synchronised by a barrier before each pass.
+ranks synchronised by a barrier before each pass; the two ways alternate pass by pass.
 
 Usage:
     python scripts/measure/measure_vllm_sync.py [--nproc 2] [--preset qwen0.5b] [--json scripts/results/vllm_sync.json]
@@ -40,7 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--preset", choices=sorted(PRESETS), nargs="+", default=["tiny", "qwen0.5b"])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", default=None, help="also write the rows to this file")
     parser.add_argument("--from-json", default=None, help="print the table of a results file, run nothing")
     parser.add_argument("--worker", nargs=2, default=None, help=argparse.SUPPRESS)  # preset, precision
@@ -81,17 +81,21 @@ def worker(preset: str, precision: str, repeats: int, out: str) -> None:
         skeleton = LlamaForCausalLM(LlamaConfig(**PRESETS[preset], max_position_embeddings=256))
     skeleton = LlamaForCausalLM(skeleton.config)  # random weights, the same on every rank (seeded)
     model = prepare_model(skeleton, FSDP2Config(consolidate_on_train_end=False), bf16=precision == "bf16")
-    rows = []
-    for system, one_pass in (("TRL (per parameter)", trl_pass), ("hf_fsdp2 (per unit)", ours_pass)):
-        times, handed = [], 0
-        for _ in range(repeats + 1):
+    systems = {"TRL (per parameter)": trl_pass, "hf_fsdp2 (per unit)": ours_pass}
+    times: dict[str, list[float]] = {name: [] for name in systems}
+    handed: dict[str, int] = {}
+    for _ in range(repeats + 1):  # NOTE: alternating, so neither always runs on the other's allocator state
+        for name, one_pass in systems.items():
             dist.barrier()
             start = time.perf_counter()
-            handed = one_pass(model)
-            times.append(time.perf_counter() - start)
-        rows.append(dict(preset=preset, precision=precision, system=system, nproc=dist.get_world_size(),
-                         seconds=statistics.median(times[1:]), handed_mib=handed / 2**20,
-                         parameters=sum(p.numel() for p in model.parameters())))  # fmt: skip
+            handed[name] = one_pass(model)
+            times[name].append(time.perf_counter() - start)
+    rows = [
+        dict(preset=preset, precision=precision, system=name, nproc=dist.get_world_size(),
+             seconds=statistics.median(times[name][1:]), handed_mib=handed[name] / 2**20,
+             parameters=sum(p.numel() for p in model.parameters()))
+        for name in systems
+    ]  # fmt: skip
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(rows, f)
