@@ -11,20 +11,12 @@ name of a submodule, because importing a submodule binds its name on the package
 
 import importlib
 import logging
-import os
 from typing import TYPE_CHECKING, Any
 
-import torch
+from transformers.utils import logging as transformers_logging
 
-if not torch.cuda.is_available():
-    # torchao (the optional 'qlora' extra, imported by transformers and peft when installed) tries to load its CUDA
-    # kernels and prints a failure per library on a machine without CUDA; NF4 needs none of them.
-    os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
-
-from transformers.utils import logging as transformers_logging  # noqa: E402
-
-from .distributed import start_restarted_worker  # noqa: E402
-from .versions import check_versions_once  # noqa: E402
+from .distributed import start_restarted_worker
+from .versions import check_versions_once
 
 if TYPE_CHECKING:
     from .checkpoints.disk_space import CheckpointDiskFull, CheckpointWriteError

@@ -21,7 +21,7 @@ os.environ.setdefault(
 )
 
 # torchao (the 'qlora' extra) loads CUDA kernels when transformers or peft import it and prints a failure for each
-# on a machine without CUDA; NF4 needs none of them (hf_fsdp2 sets the same when it is imported first).
+# on a machine without CUDA; NF4 needs none of them. Set for the tests only: importing hf_fsdp2 sets no variable.
 os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
 
 from tests import collective_sites

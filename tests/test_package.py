@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
 import pkgutil
 import subprocess
 import sys
@@ -54,3 +55,18 @@ def test_the_api_page_documents_every_public_name():
     with open(os.path.join(root, "docs", "reference", "api.md")) as f:
         rendered = {line.split(".")[-1].strip() for line in f if line.startswith("::: ")}
     assert set(hf_fsdp2.__all__) - rendered == {"FSDP2Config"}
+
+
+def test_importing_the_package_and_its_trainer_sets_no_environment_variable():
+    """Configuration is the user's: `import hf_fsdp2` (and its trainer) leaves os.environ as it found it."""
+    code = (
+        "import os, json\n"
+        "before = dict(os.environ)\n"
+        "import hf_fsdp2\n"
+        "from hf_fsdp2 import FSDP2Trainer, FSDP2Config\n"
+        "print(json.dumps(sorted(set(os.environ.items()) ^ set(before.items()))))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TORCHAO_FORCE_SKIP_LOADING_SO_FILES"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "[]"
