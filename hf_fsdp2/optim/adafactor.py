@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from transformers.optimization import Adafactor
 
-from ..distributed import alone
+from .row_shards import local_part, row_shard_group
 from .twins import adopt_twin
 
 
@@ -25,17 +25,13 @@ class _Group:
     """Sums over the ranks a parameter's first dim is split across (nothing to sum when it is whole here)."""
 
     def __init__(self, param: torch.Tensor) -> None:
-        self.group, self.mesh_dim = None, None
-        if isinstance(param, DTensor):
-            for mesh_dim, placement in enumerate(param.placements):
-                if placement.is_shard() and not alone(param.device_mesh.get_group(mesh_dim)):
-                    if placement != Shard(0) or self.group is not None:
-                        raise ValueError(
-                            f"Adafactor got a parameter of shape {tuple(param.shape)} placed {param.placements}; its "
-                            "row and column statistics are summed for rows split over ranks (Shard(0)) only. Drop "
-                            "shard_placement_fn, or use optim='adamw_torch'."
-                        )
-                    self.group, self.mesh_dim = param.device_mesh.get_group(mesh_dim), mesh_dim
+        found = row_shard_group(
+            param,
+            "Adafactor",
+            "its row and column statistics are summed for rows split over ranks (Shard(0)) only. Drop "
+            "shard_placement_fn, or use optim='adamw_torch'.",
+        )
+        self.group, self.mesh_dim = found if found is not None else (None, None)
 
     def sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor` summed over the shard group, in place (NOTE: collective over that group)."""
@@ -74,10 +70,10 @@ class ShardedAdafactor(Adafactor):
     def _step_one(self, group: dict[str, Any], param: torch.Tensor) -> None:
         """The arithmetic of transformers' Adafactor.step for one parameter, on this rank's rows."""
         ranks = _Group(param)
-        grad = _local(param.grad).float()
-        weight = _local(param)
+        grad = local_part(param.grad).float()
+        weight = local_part(param)
         state = self._state(group, param, grad)
-        local = {key: _local(value) for key, value in state.items() if torch.is_tensor(value)}
+        local = {key: local_part(value) for key, value in state.items() if torch.is_tensor(value)}
         state["step"] += 1
         state["RMS"] = _rms(weight.float(), param.numel(), ranks)
         lr = self._get_lr(group, state)
@@ -128,11 +124,6 @@ class ShardedAdafactor(Adafactor):
             state["exp_avg_sq"] = _as_dtensor(torch.zeros_like(grad), param, tuple(param.shape), split=True)
         state["RMS"] = 0
         return state
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a (possibly distributed) tensor, sharing its storage."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def make_adafactor_exact(optimizer: torch.optim.Optimizer) -> None:

@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Shard
 from torch.optim.adam import adam
 
-from ..distributed import agree, alone
+from ..distributed import agree
+from .row_shards import local_part, row_shard_group
 from .twins import adopt_twin
 
 # torch.optim.Muon's defaults (Keller Jordan's coefficients); `test_muon` checks they still are torch's.
@@ -70,29 +70,22 @@ def adjusted_lr(lr: float, adjust_lr_fn: str | None, rows: int, cols: int) -> fl
     raise ValueError(f"adjust_lr_fn={adjust_lr_fn!r} is not one of {ADJUST_LR_FNS}")
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a (possibly distributed) tensor, sharing its storage."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
 def _shard_group(param: torch.Tensor) -> tuple[dist.ProcessGroup, int] | None:
     """The process group a matrix's rows are split over (and this rank's place in it); None when whole here.
 
     Raises:
         ValueError: for a placement other than rows (Shard(0)), which this owner exchange does not cover.
     """
-    if not isinstance(param, DTensor):
+    found = row_shard_group(
+        param,
+        "Muon",
+        "it orthogonalises matrices split by rows (FSDP2's default Shard(0)). Drop shard_placement_fn for Muon's "
+        "parameters.",
+    )
+    if found is None:
         return None
-    sharded = [(dim, p) for dim, p in enumerate(param.placements) if p.is_shard()]
-    if not sharded or alone(param.device_mesh.get_group(sharded[0][0])):
-        return None
-    mesh_dim, placement = sharded[0]
-    if len(sharded) > 1 or placement != Shard(0):
-        raise ValueError(
-            f"Muon got a parameter of shape {tuple(param.shape)} placed {param.placements}; it orthogonalises "
-            "matrices split by rows (FSDP2's default Shard(0)). Drop shard_placement_fn for Muon's parameters."
-        )
-    return param.device_mesh.get_group(mesh_dim), param.device_mesh.get_local_rank(mesh_dim)
+    group, mesh_dim = found
+    return group, param.device_mesh.get_local_rank(mesh_dim)
 
 
 class _Exchange:
@@ -195,7 +188,7 @@ def muon_step(state: dict[torch.Tensor, dict[str, Any]], groups: Iterable[dict[s
                 )
             if "momentum_buffer" not in state[param]:
                 state[param]["momentum_buffer"] = torch.zeros_like(param.grad, memory_format=torch.preserve_format)
-            grad, buf = _local(param.grad), _local(state[param]["momentum_buffer"])
+            grad, buf = local_part(param.grad), local_part(state[param]["momentum_buffer"])
             buf.lerp_(grad, 1 - momentum)
             update = grad.lerp(buf, momentum) if group["nesterov"] else buf
             shards = _shard_group(param)
@@ -215,7 +208,7 @@ def muon_step(state: dict[torch.Tensor, dict[str, Any]], groups: Iterable[dict[s
     exchange.run(local_work)
     for param, out, group in updates:
         rows, cols = param.shape[-2:]
-        local = _local(param)
+        local = local_part(param)
         local.mul_(1 - group["lr"] * group["weight_decay"])
         local.add_(out, alpha=-adjusted_lr(group["lr"], group["adjust_lr_fn"], rows, cols))
     return sum(job["rank"] == job["owner"] for job in exchange.jobs)

@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from .adafactor import make_adafactor_exact
 from .muon import make_shard_exact
+from .row_shards import local_part
 
 Kind = Literal["shards", "local_shards", "whole_matrix", "refused"]
 
@@ -199,7 +200,7 @@ def _local_view(optimizer: torch.optim.Optimizer) -> Iterator[None]:
             shadow = nn.Parameter(param.to_local(), requires_grad=param.requires_grad)
             shadow.grad = param.grad.to_local() if param.grad is not None else None
             if param in optimizer.state:
-                optimizer.state[shadow] = {k: _local(v) for k, v in optimizer.state.pop(param).items()}
+                optimizer.state[shadow] = {k: local_part(v) for k, v in optimizer.state.pop(param).items()}
             group["params"][index] = shadow
             shadows.append((shadow, param))
     try:
@@ -210,10 +211,6 @@ def _local_view(optimizer: torch.optim.Optimizer) -> Iterator[None]:
         for shadow, param in shadows:
             if shadow in optimizer.state:
                 optimizer.state[param] = {k: _shard_like(v, param) for k, v in optimizer.state.pop(shadow).items()}
-
-
-def _local(value: Any) -> Any:
-    return value.to_local() if isinstance(value, DTensor) else value
 
 
 def _shard_like(value: Any, param: DTensor) -> Any:
