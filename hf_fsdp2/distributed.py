@@ -235,11 +235,14 @@ def communicate_when_alone() -> Iterator[None]:
         _shortcut_when_alone = True
 
 
-def agree(values: Sequence[float], op: str, group: dist.ProcessGroup | None = None) -> list[float]:
+def agree(
+    values: Sequence[float], op: str, group: dist.ProcessGroup | None = None, timeout: timedelta | None = None
+) -> list[float]:
     """All ranks' `values` reduced elementwise by `op` ("max", "min" or "sum"): the one way small flags and counts
     cross ranks, so their tensor is always on the device `group` takes.
 
-    NOTE: collective over `group`; every rank calls it with the same number of values.
+    NOTE: collective over `group`; every rank calls it with the same number of values. With `timeout`, a rank whose
+    peers do not arrive in time raises instead of waiting for ever.
     """
     ops = {"max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "sum": dist.ReduceOp.SUM}
     if op not in ops:
@@ -247,7 +250,8 @@ def agree(values: Sequence[float], op: str, group: dist.ProcessGroup | None = No
     if alone(group):
         return list(values)
     flags = torch.tensor(list(values), dtype=torch.float64, device=collective_device(group))
-    dist.all_reduce(flags, op=ops[op], group=group)
+    work = dist.all_reduce(flags, op=ops[op], group=group, async_op=True)
+    work.wait(timeout) if timeout is not None else work.wait()
     return flags.tolist()
 
 

@@ -262,6 +262,5 @@ MANIFEST: dict[str, str] = {
     "hf_fsdp2/sharding/collective_methods.py::all_ranks_join::monitored_barrier": REACHED,
     "hf_fsdp2/sharding/gathering.py::gathered::unshard": REACHED,
     "hf_fsdp2/sharding/units.py::reduce_scalar_gradients.average::all_reduce": REACHED,
-    "hf_fsdp2/trainer/batch_size.py::BatchSizeMixin._all_max::all_reduce": REACHED,
     "hf_fsdp2/trainer/router_loss.py::global_router_loss::all_reduce": REACHED,
 }

@@ -50,7 +50,7 @@ def test_every_collective_path_runs_on_its_groups_device(report):
 def test_agree_reduces_on_the_device_its_group_takes(monkeypatch):
     seen = []
 
-    def all_reduce(tensor, op, group):
+    def all_reduce(tensor, op, group, async_op=False):
         seen.append((tensor.device.type, group))
         raise InterruptedError  # a meta tensor has no values to read back
 

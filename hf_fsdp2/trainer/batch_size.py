@@ -37,7 +37,15 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from transformers import TrainerCallback
 
-from ..distributed import alone, close_host_group, collective_device, get_rank, log_rank0, new_host_group, warn_rank0
+from ..distributed import (
+    agree,
+    alone,
+    close_host_group,
+    get_rank,
+    log_rank0,
+    new_host_group,
+    warn_rank0,
+)
 
 # How long a rank that ran out of memory waits for the others at the meeting (they may still be computing their
 # micro-step), and how long queued accelerator work may take to finish once every rank stopped.
@@ -114,11 +122,11 @@ class BatchSizeMixin:
         others may be stuck in a collective it never joins.
         """
         if phase is None:
-            failed, rank_plus_one, phase_plus_one = self._all_max([0.0, 0.0, 0.0], None)
+            failed, rank_plus_one, phase_plus_one = agree([0.0, 0.0, 0.0], "max", self._oom_group)
         else:
             try:
-                failed, rank_plus_one, phase_plus_one = self._all_max(
-                    [1.0, float(get_rank() + 1), float(phase + 1)], MEETING_TIMEOUT
+                failed, rank_plus_one, phase_plus_one = agree(
+                    [1.0, float(get_rank() + 1), float(phase + 1)], "max", self._oom_group, MEETING_TIMEOUT
                 )
             except RuntimeError as timeout:  # gloo's "Operation timed out", or a peer gone
                 raise RuntimeError(self._unrecoverable(phase, "the other ranks did not reach the meeting")) from (
@@ -127,22 +135,13 @@ class BatchSizeMixin:
         if failed:
             self._raise_agreed(int(rank_plus_one) - 1, int(phase_plus_one) - 1, cause)
 
-    def _all_max(self, values: list[float], timeout: timedelta | None) -> list[float]:
-        """Every rank's `values`, reduced by max over the meeting group (this rank's own without one)."""
-        if self._oom_group is None:
-            return values
-        tensor = torch.tensor(values, dtype=torch.float64, device=collective_device(self._oom_group))
-        work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self._oom_group, async_op=True)
-        work.wait(timeout) if timeout is not None else work.wait()
-        return tensor.tolist()
-
     def _raise_agreed(self, rank: int, phase: int, cause: BaseException | None) -> None:
         """Reset FSDP's iteration and raise the error every rank raises, so every rank retries with the same batch.
 
         First every rank lets its queued accelerator work finish and says whether it did (a second meeting): a
         collective queued on a GPU that another rank never joined can never finish, and then no rank may retry.
         """
-        stuck, _, _ = self._all_max([0.0 if _drain_device() else 1.0, 0.0, 0.0], None)
+        stuck, _, _ = agree([0.0 if _drain_device() else 1.0, 0.0, 0.0], "max", self._oom_group)
         if stuck:
             raise RuntimeError(self._unrecoverable(phase, "collectives queued on the GPUs never finished", rank))
         self.model.zero_grad(set_to_none=True)
