@@ -14,10 +14,10 @@ knows models sharded by Accelerate.
 TRL internals touched: the `vllm_generation` object of GRPO and RLOO: its `_iter_named_params`, which TRL's server
 mode streams, and `sync_weights`, replaced for colocate mode by one `load_weights` call per unit (sleep mode's
 wake-up and the prefix-cache reset kept as TRL does them; tests/test_vllm.py, with real vLLM). `hash_module` in
-`trl.trainer.dpo_trainer` and `trl.trainer.kto_trainer` (patched while `FSDP2DPOTrainer`/`FSDP2KTOTrainer.__init__`
-runs), which names the cache of precomputed reference log-probs from the
-weights; ours hashes the gathered full weights instead of failing on DTensors (tests/test_trl_built_models.py
-dpo_precompute*, kto_precompute).
+`trl.trainer.dpo_trainer` and `trl.trainer.kto_trainer` (replaced while `FSDP2DPOTrainer`/`FSDP2KTOTrainer.__init__`
+runs, for that trainer's models in the building thread only; `confined_patch`), which names the cache of
+precomputed reference log-probs from the weights; ours hashes the gathered full weights instead of failing on
+DTensors (tests/test_trl_built_models.py dpo_precompute*, kto_precompute).
 """
 
 from __future__ import annotations
@@ -28,18 +28,18 @@ except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError("hf_fsdp2.trl needs TRL, which is an optional extra: pip install 'hf_fsdp2[trl]'") from error
 
 import atexit
-import contextlib
 import hashlib
 import weakref
-from collections.abc import Iterator
-from types import ModuleType
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from transformers import Trainer
 from trl.trainer import dpo_trainer, kto_trainer
 
+from .confined_patch import ConfinedPatch
 from .export.engine_weights import named_full_weights, unit_buckets
 from .loading.facts import attached_facts
 from .trainer.mixin import FSDP2Mixin
@@ -81,15 +81,23 @@ def full_weights_hash(module: nn.Module) -> str:
     return digest.hexdigest()
 
 
-@contextlib.contextmanager
-def _hashing_full_weights(trainer_module: ModuleType) -> Iterator[None]:
-    """Make a TRL trainer module's `hash_module` hash full weights while its trainer is built."""
-    original = trainer_module.hash_module
-    trainer_module.hash_module = full_weights_hash
-    try:
-        yield
-    finally:
-        trainer_module.hash_module = original
+def _hashing_for(original: Callable[[nn.Module], str], patch: ConfinedPatch[Trainer]) -> Callable[[nn.Module], str]:
+    """The `hash_module` that hashes full weights for the models of the trainer this thread is building."""
+
+    def hash_module(module: nn.Module) -> str:
+        trainer = patch.current()
+        ours = trainer is not None and any(module is getattr(trainer, name, None) for name in ("model", "ref_model"))
+        return full_weights_hash(module) if ours else original(module)
+
+    return hash_module
+
+
+# NOTE: TRL names the cache of precomputed reference log-probs with its module-level `hash_module`, called in the
+# middle of DPOTrainer/KTOTrainer.__init__ on the already sharded model, with no argument or method to override, and
+# it cannot read DTensors. Confined (confined_patch.py): replaced only while one of ours is built, and only for that
+# thread's calls on that trainer's own model or reference model; any other call runs TRL's.
+_DPO_HASH: ConfinedPatch[Trainer] = ConfinedPatch(dpo_trainer, "hash_module", lambda f: _hashing_for(f, _DPO_HASH))
+_KTO_HASH: ConfinedPatch[Trainer] = ConfinedPatch(kto_trainer, "hash_module", lambda f: _hashing_for(f, _KTO_HASH))
 
 
 class FSDP2DPOTrainer(FSDP2Mixin, DPOTrainer):
@@ -100,7 +108,7 @@ class FSDP2DPOTrainer(FSDP2Mixin, DPOTrainer):
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        with _hashing_full_weights(dpo_trainer):
+        with _DPO_HASH.window(self):
             super().__init__(*args, **kwargs)
 
 
@@ -111,7 +119,7 @@ class FSDP2KTOTrainer(FSDP2Mixin, KTOTrainer):
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        with _hashing_full_weights(kto_trainer):
+        with _KTO_HASH.window(self):
             super().__init__(*args, **kwargs)
 
 

@@ -14,66 +14,78 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
 from transformers import PreTrainedModel
 
+from ..confined_patch import ConfinedPatch
 from .skeleton import first_meta_tensor, from_pretrained, get_source
 
 # from_pretrained arguments about device placement: sharding places the model.
 PLACEMENT_KWARGS = ("device_map",)
-# Where from_pretrained is defined for every model class. Auto classes resolve the class and its config (with
-# overrides such as `num_labels=1`) and call the concrete class's, so this one place sees every model a path becomes.
-_OWNERS = (PreTrainedModel,)
-_state: dict[str, Any] = {"built": None, "suspended": 0}
+
+
+@dataclass
+class _Window:
+    """One trainer's window: the skeletons built so far, and how deep our own loading (which reads) is nested."""
+
+    built: list[nn.Module] = field(default_factory=list)
+    suspended: int = 0
+
+
+def _intercepting(original: classmethod) -> classmethod:
+    """The from_pretrained that builds a skeleton for a path, for calls from a thread inside a window."""
+
+    def build(cls: type, path: Any, *args: Any, **kwargs: Any) -> Any:
+        window = _FROM_PRETRAINED.current()
+        if window is None or window.suspended or not isinstance(path, (str, os.PathLike)):
+            return original.__func__(cls, path, *args, **kwargs)
+        check_no_positional(cls, path, args)
+        kwargs = {k: v for k, v in kwargs.items() if k not in PLACEMENT_KWARGS}
+        skeleton = from_pretrained(path, cls, **kwargs)
+        window.built.append(skeleton)
+        return skeleton
+
+    return classmethod(build)
+
+
+# NOTE: the one seam there is. A subclass (TRL's) turns a path into a model inside its own __init__ with
+# `AutoModel*.from_pretrained(path, **its kwargs)`, and no argument or method lets us build that model on the meta
+# device instead. Auto classes resolve the class and its config (with overrides such as `num_labels=1`) and call the
+# concrete class's from_pretrained, which PreTrainedModel defines for every model class, so this one place sees every
+# model a path becomes. Confined: on the class only while a trainer is being built, and only the building thread's
+# calls are intercepted (confined_patch.py); every other call reaches transformers' own.
+_FROM_PRETRAINED: ConfinedPatch[_Window] = ConfinedPatch(PreTrainedModel, "from_pretrained", _intercepting)
 
 
 @contextlib.contextmanager
 def skeletons_for_paths() -> Iterator[list[nn.Module]]:
-    """Within the block, `from_pretrained(path, **kwargs)` builds the skeleton of that call; yields those built.
+    """Within the block, this thread's `from_pretrained(path, **kwargs)` builds the skeleton of that call; yields
+    those built.
 
     Raises:
-        RuntimeError: when the block opens inside another one (one trainer is built at a time).
+        RuntimeError: when the block opens inside another one in this thread (one trainer is built at a time).
     """
-    if _state["built"] is not None:
-        raise RuntimeError("a trainer is already being built in this process; build trainers one after another.")
-    built: list[nn.Module] = []
-    originals = {owner: owner.__dict__["from_pretrained"] for owner in _OWNERS}
-    _state["built"] = built
-    try:
-        for owner, original in originals.items():
-            owner.from_pretrained = classmethod(_intercept(original.__func__))
-        yield built
-    finally:
-        for owner, original in originals.items():
-            owner.from_pretrained = original
-        _state["built"] = None
+    if _FROM_PRETRAINED.current() is not None:
+        raise RuntimeError("a trainer is already being built in this thread; build trainers one after another.")
+    with _FROM_PRETRAINED.window(_Window()) as window:
+        yield window.built
 
 
 @contextlib.contextmanager
 def loading_for_real() -> Iterator[None]:
     """Within the block, from_pretrained reads weights again (our own loading, the rank-0 route, calls it)."""
-    _state["suspended"] += 1
+    window = _FROM_PRETRAINED.current()
+    if window is None:
+        yield
+        return
+    window.suspended += 1
     try:
         yield
     finally:
-        _state["suspended"] -= 1
-
-
-def _intercept(original: Any) -> Any:
-    """The from_pretrained that builds a skeleton for a path while a window is open and not suspended."""
-
-    def build(cls: type, path: Any, *args: Any, **kwargs: Any) -> Any:
-        if _state["built"] is None or _state["suspended"] or not isinstance(path, (str, os.PathLike)):
-            return original(cls, path, *args, **kwargs)
-        check_no_positional(cls, path, args)
-        kwargs = {k: v for k, v in kwargs.items() if k not in PLACEMENT_KWARGS}
-        skeleton = from_pretrained(path, cls, **kwargs)
-        _state["built"].append(skeleton)
-        return skeleton
-
-    return build
+        window.suspended -= 1
 
 
 def check_no_positional(cls: type, path: Any, args: tuple[Any, ...]) -> None:

@@ -6,12 +6,13 @@ when the trainer is built.
 (precision.py), `StepMixin` (step.py), `CheckpointMixin` (checkpointing.py) and `ResumeMixin` (resuming.py). Each
 sets its attributes, calls the next `__init__` (the last is Trainer's), and finishes what needs the built Trainer.
 This module reads the arguments, builds the skeleton of a model given by path, and touches:
-- `PreTrainedModel.from_pretrained` (patched while a subclass's `__init__` runs): the models a subclass builds from
-  paths become our skeletons in the class it asked for, sharded when Trainer or `prepare_model` gets them
-  (`loading.path_models`; tests/test_trl_built_models.py).
-- `Trainer.__init__` (patched while a subclass's `__init__` runs, when the model is a path): a path that reaches it
-  unchanged (the subclass built nothing from it) becomes our skeleton of the path there. Whether a subclass builds
-  its own model is thus what it does, not what its signature says (tests/test_trl_built_models.py).
+- `PreTrainedModel.from_pretrained` (replaced while a subclass's `__init__` runs, for the building thread's calls
+  only; `confined_patch`): the models a subclass builds from paths become our skeletons in the class it asked for,
+  sharded when Trainer or `prepare_model` gets them (`loading.path_models`; tests/test_trl_built_models.py).
+- `Trainer.__init__`, for this trainer only (while its `__init__` runs, when the model is a path, its class gains a
+  class just before Trainer's in the MRO): a path that reaches Trainer's `__init__` unchanged (the subclass built
+  nothing from it) becomes our skeleton of the path there. Whether a subclass builds its own model is thus what it
+  does, not what its signature says (tests/test_trl_built_models.py).
 - `TrainingArguments.fsdp` / `fsdp_plugin_args` and Accelerate's `FullyShardedDataParallelPlugin`: read once by
   `from_accelerate.resolve_config` in `__init__` (settings carried into FSDP2Config), then `fsdp` cleared so
   Trainer builds no FSDP plugin and nothing shards the model twice (tests/test_from_accelerate*.py).
@@ -79,7 +80,7 @@ class FSDP2Mixin(
         # A subclass that turns paths into models itself (TRL's) builds them as our skeletons, in the class and
         # configuration it asks for; each is sharded when Trainer or accelerator.prepare_model receives it. A path it
         # hands on unchanged becomes our skeleton when it reaches Trainer.__init__.
-        with skeletons_for_paths() as built, _skeleton_if_trainer_gets(path, lambda: self._skeleton(path, args)):
+        with skeletons_for_paths() as built, _skeleton_if_trainer_gets(self, path, lambda: self._skeleton(path, args)):
             super().__init__(*bound.args, **bound.kwargs)
         check_all_sharded(built)
 
@@ -138,25 +139,33 @@ def _bind(init: Callable[..., None], args: tuple[Any, ...], kwargs: dict[str, An
 
 
 @contextlib.contextmanager
-def _skeleton_if_trainer_gets(path: str | None, build: Callable[[], nn.Module]) -> Iterator[None]:
+def _skeleton_if_trainer_gets(trainer: Trainer, path: str | None, build: Callable[[], nn.Module]) -> Iterator[None]:
     """Within the block, a `model` that reaches `Trainer.__init__` still as `path` becomes `build()`: the subclass
-    built nothing from it (plain Trainer, or a subclass that only declares paths), so the path is ours to load."""
+    built nothing from it (plain Trainer, or a subclass that only declares paths), so the path is ours to load.
+
+    NOTE: whether a subclass builds its own model from the path is only known when its `super().__init__` reaches
+    Trainer's. So this one trainer's class is, while it is built, a subclass of its own class with one more class
+    just before `Trainer` in the MRO, whose `__init__` swaps the path for the skeleton; the class is restored
+    afterwards. Nothing else sees it: Trainer, every other trainer and every other thread are untouched.
+    """
     if path is None:
         yield
         return
-    original = Trainer.__dict__["__init__"]
+    cls = type(trainer)
 
-    # NOTE: swapped on the class, so only inside skeletons_for_paths' window, which refuses a second trainer built
-    # meanwhile; any other Trainer.__init__ call in that window goes through unchanged unless its model is this path.
-    def init(trainer: Trainer, *args: Any, **kwargs: Any) -> None:
-        bound = inspect.signature(original).bind(trainer, *args, **kwargs)
-        model = bound.arguments.get("model")
-        if isinstance(model, str) and model == path:
-            bound.arguments["model"] = build()
-        original(*bound.args, **bound.kwargs)
+    class PathToSkeleton(Trainer):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            bound = inspect.signature(Trainer.__init__).bind(self, *args, **kwargs)
+            model = bound.arguments.get("model")
+            if isinstance(model, str) and model == path:
+                bound.arguments["model"] = build()
+            Trainer.__init__(*bound.args, **bound.kwargs)
 
-    Trainer.__init__ = init  # type: ignore[method-assign]
+    # Same name and module: Trainer and TRL name model cards, logs and tags after the trainer's class.
+    trainer.__class__ = type(
+        cls.__name__, (cls, PathToSkeleton), {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
+    )
     try:
         yield
     finally:
-        Trainer.__init__ = original  # type: ignore[method-assign]
+        trainer.__class__ = cls
