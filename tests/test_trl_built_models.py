@@ -10,7 +10,13 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from transformers import AutoModelForSequenceClassification, PreTrainedModel, Trainer, TrainingArguments
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    PreTrainedModel,
+    Trainer,
+    TrainingArguments,
+)
 
 from tests.launch import load_runs, run
 from tests.test_dropin import differences
@@ -151,12 +157,25 @@ class DeclaringTrainer(Trainer):
 def test_whether_a_trainer_builds_its_model_from_a_path_is_what_it_does_not_what_it_declares(
     tmp_path, tiny, base, built
 ):
+    """The sharded model holds the values of the model the same trainer builds in one plain process: the class, the
+    config overrides (num_labels=1) and every weight, the classifier head's seeded initialisation included."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
     from hf_fsdp2 import FSDP2Mixin
     from hf_fsdp2.loading.facts import unwrap_peft
 
     args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
-    trainer = type(f"FSDP2{base.__name__}", (FSDP2Mixin, base), {})(tiny("llama"), args)
+    path = tiny("llama")  # before seeding: saving it the first time draws from the generator
+    torch.manual_seed(0)
+    # Plain Trainer cannot take a path: the trainer that builds nothing gets what from_pretrained gives instead.
+    reference = base(path if base is ClassifierTrainer else AutoModelForCausalLM.from_pretrained(path), args).model
+    torch.manual_seed(0)
+    trainer = type(f"FSDP2{base.__name__}", (FSDP2Mixin, base), {})(path, args)
     model = unwrap_peft(trainer.model)
-    assert type(model).__name__ in (built, f"FSDP{built}")
-    assert not any(p.is_meta for p in model.parameters()), "the skeleton was loaded and sharded"
-    assert Trainer.__dict__["__init__"].__qualname__ == "Trainer.__init__", "Trainer.__init__ is back"
+    assert type(model).__name__ in (built, f"FSDP{built}") and type(reference).__name__ == built
+    ours = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
+    expected = reference.state_dict()
+    assert sorted(ours) == sorted(expected)
+    unequal = [k for k in expected if not torch.equal(ours[k], expected[k])]
+    assert not unequal, f"loaded values differ from the one-process trainer's: {unequal}"
