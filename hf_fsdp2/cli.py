@@ -113,7 +113,9 @@ def _run_plan(args: argparse.Namespace) -> int:
     import json
 
     from .config import FSDP2Config, parse_size
-    from .planning.memory_plan import DEFAULT_LORA_TARGETS, format_plan, plan
+    from .planning.memory_plan import plan
+    from .planning.plan_table import format_plan
+    from .planning.plan_types import DEFAULT_LORA_TARGETS
 
     r, targets = parse_lora(args.lora) if args.lora else (None, DEFAULT_LORA_TARGETS)
     result = plan(

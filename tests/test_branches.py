@@ -10,7 +10,7 @@ from torch import nn
 
 from hf_fsdp2 import FSDP2Config
 from hf_fsdp2.loading.branches import find_branches
-from hf_fsdp2.planning.memory_plan import skeleton_sizes
+from hf_fsdp2.planning.model_sizes import skeleton_sizes
 from hf_fsdp2.sharding.units import select_units
 from tests.tiny_models import llama
 from tests.tiny_vlms import FAMILIES

@@ -279,7 +279,7 @@ def test_dcp_files_are_written_through_direct_io(tmp_path, monkeypatch):
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from hf_fsdp2.checkpoints import sharded as checkpoint
+    from hf_fsdp2.checkpoints import sharded_save as checkpoint
     from hf_fsdp2.checkpoints.direct_io import DirectStream
 
     written = []
@@ -308,7 +308,7 @@ def test_a_full_disk_fails_the_dcp_save_loudly(tmp_path, monkeypatch):
     from torch.distributed.checkpoint.api import CheckpointException
 
     from hf_fsdp2.checkpoints import direct_io
-    from hf_fsdp2.checkpoints import sharded as checkpoint
+    from hf_fsdp2.checkpoints import sharded_save as checkpoint
 
     def full_disk(fd: int, data: memoryview, offset: int) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -329,7 +329,7 @@ def test_the_parts_of_a_sync_save_are_written_at_once_and_a_failure_in_either_is
 
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from hf_fsdp2.checkpoints.sharded import run_at_once
+    from hf_fsdp2.checkpoints.sharded_save import run_at_once
 
     both_started = threading.Barrier(2, timeout=10)  # broken (an error) if the parts ran one after the other
     done = []

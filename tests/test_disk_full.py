@@ -46,7 +46,7 @@ def test_a_write_that_fails_for_want_of_space_becomes_the_clear_error_and_the_pa
     import torch.distributed.checkpoint as dcp
 
     from hf_fsdp2.checkpoints import direct_io
-    from hf_fsdp2.checkpoints import sharded as checkpoint
+    from hf_fsdp2.checkpoints import sharded_save as checkpoint
     from hf_fsdp2.checkpoints.disk_space import CheckpointDiskFull, CheckpointWriteError, raise_if_write_failed
 
     def full_disk(fd: int, data: memoryview, offset: int) -> None:

@@ -15,7 +15,8 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 from hf_fsdp2.checkpoints import distcp_reader
 from hf_fsdp2.checkpoints.distcp_reader import SafeFileSystemReader
-from hf_fsdp2.checkpoints.sharded import OPTIMIZER_DIR, OPTIMIZER_KEY, load_in_place, read_metadata, resume_optimizer
+from hf_fsdp2.checkpoints.sharded import OPTIMIZER_DIR, OPTIMIZER_KEY, load_in_place, read_metadata
+from hf_fsdp2.checkpoints.sharded_resume import resume_optimizer
 
 
 def saved_state(folder: str) -> dict[str, torch.Tensor]:

@@ -10,7 +10,8 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from transformers.trainer_utils import set_seed
 
 from hf_fsdp2 import from_pretrained
-from hf_fsdp2.loading.weights import init_missing, plan_safetensors_load, safetensors_shapes
+from hf_fsdp2.loading.missing_values import init_missing
+from hf_fsdp2.loading.safetensors_route import plan_safetensors_load, safetensors_shapes
 
 
 def test_skeleton_reads_no_weights_and_matches_from_pretrained_structure(tiny):

@@ -9,7 +9,10 @@ import torch
 
 from hf_fsdp2.cli import main, parse_lora
 from hf_fsdp2.planning.activation_trace import LiveBytes, traced_activation_bytes
-from hf_fsdp2.planning.memory_plan import CPU_RUNTIME_BYTES, ModelSizes, PlanRequest, load_config, phases_for, plan
+from hf_fsdp2.planning.memory_plan import plan
+from hf_fsdp2.planning.model_sizes import ModelSizes, load_config
+from hf_fsdp2.planning.phases import CPU_RUNTIME_BYTES, phases_for
+from hf_fsdp2.planning.plan_types import PlanRequest
 
 MIB = 2**20
 
@@ -152,6 +155,7 @@ def test_trainer_start_logs_the_plan_and_warns_when_it_will_not_fit(tiny, caplog
 
     from hf_fsdp2 import FSDP2Config
     from hf_fsdp2.planning import memory_plan as planner
+    from hf_fsdp2.planning import phases as arithmetic
 
     model = AutoModelForCausalLM.from_pretrained(tiny("llama"))
     args = TrainingArguments("unused", per_device_train_batch_size=2, use_cpu=True, report_to=[])
@@ -176,7 +180,7 @@ def test_trainer_start_logs_the_plan_and_warns_when_it_will_not_fit(tiny, caplog
     monkeypatch.undo()
     monkeypatch.setattr(transformers.logging.get_logger(), "propagate", True)
     caplog.clear()
-    monkeypatch.setattr(planner, "activation_bound", lambda request, config: None)  # a model only a trace describes
+    monkeypatch.setattr(arithmetic, "activation_bound", lambda request, config: None)  # a model only a trace describes
     planner.log_memory_plan(model, args, FSDP2Config(), data)
     assert "Memory plan: training needs about" in caplog.text and "(batch 2 × seq 32)" in caplog.text
     monkeypatch.setattr(planner, "detect_device_memory", lambda nproc: 1)
@@ -300,13 +304,13 @@ def test_a_model_the_trace_cannot_run_is_planned_without_activations_and_says_so
     """A forward the fake trace cannot run (data-dependent control flow, a kernel without a fake): every other
     figure is still reported, the failure named, and no traceback shown."""
     import hf_fsdp2.planning.activation_trace
-    import hf_fsdp2.planning.memory_plan
+    import hf_fsdp2.planning.phases
 
     def untraceable(*args, **kwargs):
         raise RuntimeError("aten.nonzero: data-dependent output shape")
 
     monkeypatch.setattr(hf_fsdp2.planning.activation_trace, "traced_activation_bytes", untraceable)
-    hf_fsdp2.planning.memory_plan._activations_of.cache_clear()  # traces of this model made by earlier tests
+    hf_fsdp2.planning.phases._activations_of.cache_clear()  # traces of this model made by earlier tests
     result = plan(tiny("llama"), nproc=2, batch=2, seq=32, device_memory=2**40)
     assert {p.name for p in result.phases} >= {"load", "training", "export (save_model)"}
     assert result.not_traced and "data-dependent" in result.not_traced
@@ -314,7 +318,7 @@ def test_a_model_the_trace_cannot_run_is_planned_without_activations_and_says_so
     status = main(["plan", tiny("llama"), "--nproc", "2", "--batch", "2", "--seq", "32"])
     printed = capsys.readouterr().out
     assert status == 3 and "Activations could not be traced" in printed and "Traceback" not in printed
-    hf_fsdp2.planning.memory_plan._activations_of.cache_clear()
+    hf_fsdp2.planning.phases._activations_of.cache_clear()
 
 
 def test_qlora_counts_the_nf4_base_in_four_bits(tmp_path):
@@ -427,7 +431,8 @@ def test_a_generation_phase_holds_the_gathered_model_and_the_kv_cache(tmp_path, 
 @pytest.mark.parametrize("family", ["llama", "gpt2", "qwen3_moe", "gemma", "qwen3"])
 def test_the_start_bound_holds_what_the_trace_counts(family):
     """The trainer's start skips the trace only under this bound, so it must never be below the trace."""
-    from hf_fsdp2.planning.memory_plan import _activations, activation_bound, skeleton_sizes
+    from hf_fsdp2.planning.model_sizes import skeleton_sizes
+    from hf_fsdp2.planning.phases import _activations, activation_bound
     from tests.tiny_models import BUILDERS
 
     sizes = skeleton_sizes(BUILDERS[family]().config, None, False)

@@ -174,6 +174,21 @@ def tie_groups(model: nn.Module) -> list[list[str]]:
     return [names for names in by_id.values() if len(names) > 1]
 
 
+def is_pretrained_model(model: nn.Module) -> bool:
+    """isinstance(model, PreTrainedModel), importing transformers' modeling code only when asked: the offline
+    consolidation command imports this module and must start without it (see hf_fsdp2/__init__.py)."""
+    from transformers import PreTrainedModel
+
+    return isinstance(model, PreTrainedModel)
+
+
+def get_tensor(model: nn.Module, name: str) -> torch.Tensor:
+    """The parameter or buffer `name` of `model` (AttributeError when it has neither)."""
+    module_name, _, leaf = name.rpartition(".")
+    is_param = leaf in model.get_submodule(module_name)._parameters
+    return model.get_parameter(name) if is_param else model.get_buffer(name)
+
+
 def set_tensor(model: nn.Module, names: list[str], tensor: torch.Tensor) -> None:
     """Put one tensor (Parameter or buffer) under every name of a tie group, keeping the tie."""
     for name in names:

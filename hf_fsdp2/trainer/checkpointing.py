@@ -1,7 +1,7 @@
 """Where `FSDP2Mixin` saves: sharded checkpoints written under a staging name and published when complete, and
 from_pretrained-ready exports of the live model.
 
-It decides when and what is written; the DCP files are `checkpoints.sharded`'s, the Hugging Face folders
+It decides when and what is written; the DCP files are `checkpoints.sharded_save`'s, the Hugging Face folders
 `export.live`'s; reading a checkpoint back is not its job. Every private Trainer hook it touches:
 - `_save_checkpoint`: every save is a sharded DCP save under a staging name, renamed when complete
   (tests/test_checkpoint.py). It reuses `_save_rng_state`, `_save_scaler` (fp16's `scaler.pt`, read back by Trainer's
@@ -32,7 +32,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from ..checkpoints.adapters import save_adapter
 from ..checkpoints.disk_space import check_room, raise_if_write_failed, tensor_bytes
-from ..checkpoints.sharded import (
+from ..checkpoints.sharded_save import (
     PartSavers,
     begin_checkpoint,
     commit_checkpoint,

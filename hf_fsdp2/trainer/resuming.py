@@ -1,6 +1,6 @@
 """Where `FSDP2Mixin` resumes: sharded checkpoints read back at any world size, and a finished run relaunched.
 
-Which checkpoint `"auto"` picks is `checkpoints.resume`'s, the DCP reads `checkpoints.sharded`'s. Every
+Which checkpoint `"auto"` picks is `checkpoints.resume`'s, the DCP reads `checkpoints.sharded_resume`'s. Every
 private Trainer hook it touches:
 - `_load_from_checkpoint`, `_load_optimizer_and_scheduler`, `_load_best_model`: DCP loads, any world
   size (tests/test_checkpoint.py resume cases). `_load_rng_state` is Trainer's own.
@@ -19,7 +19,7 @@ from torch import nn
 from transformers.trainer import SCHEDULER_NAME
 
 from ..checkpoints.adapters import load_adapter
-from ..checkpoints.sharded import resume_model, resume_optimizer
+from ..checkpoints.sharded_resume import resume_model, resume_optimizer
 from ..distributed import warn_rank0
 from ..loading.facts import facts_of
 from .step import unwrap_optimizer

@@ -159,7 +159,7 @@ def generation_fit_check() -> None:
 @path
 def buffers_from_rank0() -> None:
     """Non-persistent buffers sent from rank 0 after loading."""
-    from hf_fsdp2.loading.weights import broadcast_buffers
+    from hf_fsdp2.loading.rank0_route import broadcast_buffers
 
     model = nn.Module()
     model.register_buffer("inv_freq", torch.full((4,), float(distributed.get_rank()), device=distributed.get_device()))
@@ -204,7 +204,7 @@ def sequence_parallel_rows() -> None:
 @path
 def checkpoint_parts() -> None:
     """A sharded save of model and optimizer, synchronous and asynchronous (DCP over the save groups)."""
-    from hf_fsdp2.checkpoints.sharded import PartSavers, sharded_parts, wait_for_writes, write_parts
+    from hf_fsdp2.checkpoints.sharded_save import PartSavers, sharded_parts, wait_for_writes, write_parts
 
     model = _sharded_pair()
     optimizer = torch.optim.AdamW(model.parameters())

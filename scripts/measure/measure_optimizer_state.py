@@ -122,7 +122,9 @@ def worker(optim: str, model: str, out: str) -> None:
     from transformers import TrainingArguments
 
     from hf_fsdp2 import FSDP2Trainer, Muon
-    from hf_fsdp2.planning.memory_plan import PlanRequest, model_sizes, phases_for
+    from hf_fsdp2.planning.model_sizes import model_sizes
+    from hf_fsdp2.planning.phases import phases_for
+    from hf_fsdp2.planning.plan_types import PlanRequest
 
     baseline = vm_hwm_kib()
     record: dict[str, Any] = {"step_s": [], "step_bytes": []}

@@ -70,7 +70,8 @@ def worker(args: argparse.Namespace) -> None:
     from transformers import TrainingArguments
 
     from hf_fsdp2 import FSDP2Config, FSDP2Trainer
-    from hf_fsdp2.checkpoints.sharded import MODEL_KEY, OPTIMIZER_KEY, model_state_dict, run_at_once, storage_writer
+    from hf_fsdp2.checkpoints.sharded import MODEL_KEY, OPTIMIZER_KEY, model_state_dict
+    from hf_fsdp2.checkpoints.sharded_save import run_at_once, storage_writer
 
     ids = torch.randint(0, 16000, (8, 32), generator=torch.Generator().manual_seed(0)).tolist()
     targs = TrainingArguments(

@@ -17,8 +17,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.fsdp import fully_shard
 
-import hf_fsdp2.checkpoints.sharded as checkpoint
-from hf_fsdp2.checkpoints.sharded import PartSavers, sharded_parts, wait_for_writes, write_parts
+import hf_fsdp2.checkpoints.sharded_save as checkpoint
+from hf_fsdp2.checkpoints.sharded_save import PartSavers, sharded_parts, wait_for_writes, write_parts
 from hf_fsdp2.distributed import close_distributed, init_distributed
 from hf_fsdp2.meshes import build_mesh
 

@@ -178,9 +178,9 @@ def trl_run(kind: str) -> dict[str, Any]:
 def failed_read(key: str) -> dict[str, Any]:
     """Rank 1 alone fails to read `key` (an I/O error injected into its reader): every rank must raise, naming
     it, instead of rank 0 waiting forever in the next collective (an NF4 weight: its absmax all-gather)."""
-    from hf_fsdp2.loading import weights as loading
+    from hf_fsdp2.loading.safetensors_reader import SliceReader
 
-    original = loading.SliceReader.read_data
+    original = SliceReader.read_data
 
     def read_data(self: Any, plan: Any, planner: Any) -> Any:
         if any(item.storage_index.fqn == key for item in plan.items):
@@ -188,11 +188,11 @@ def failed_read(key: str) -> dict[str, Any]:
         return original(self, plan, planner)
 
     if int(os.environ.get("RANK", "0")) == 1:
-        loading.SliceReader.read_data = read_data
+        SliceReader.read_data = read_data
     try:
         trainer("failed_read", qlora_model())
     finally:
-        loading.SliceReader.read_data = original
+        SliceReader.read_data = original
     return {"loaded": True}
 
 

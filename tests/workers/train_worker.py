@@ -397,7 +397,7 @@ def _counting_collectives():
 
 def count_direct_files() -> list[str]:
     """Record every file this rank's checkpoints write through direct_io (the list fills as they are written)."""
-    from hf_fsdp2.checkpoints import sharded as checkpoint
+    from hf_fsdp2.checkpoints import sharded_save as checkpoint
 
     written: list[str] = []
 
