@@ -55,6 +55,14 @@ def test_every_part_runs_and_only_cpu_offload_is_refused_on_the_cpu(dry_run):
                 assert "error" not in run, (name, run_name, run["error"])
 
 
+def test_the_cuda_only_tests_are_collected_and_skipped_on_the_cpu(dry_run):
+    """Part "cuda_tests" runs pytest on the suite's CUDA-only tests: on the rehearsal they are found and skipped, so on
+    a GPU the Muon bit-equality test is what runs (a test renamed or moved would leave the part empty: an error)."""
+    tests = dry_run["parts"]["cuda_tests"]["runs"]["cuda tests"]["tests"]
+    name = "tests.test_muon::test_on_cuda_newton_schulz_and_a_whole_step_are_bit_equal_to_torchs"
+    assert tests == {name: "skipped: needs a CUDA device"}
+
+
 def test_the_rehearsal_measures_what_the_gpu_run_reports(dry_run):
     parts = dry_run["parts"]
     ours, plain = parts["parity"]["runs"]["hf_fsdp2 fp32"], parts["parity"]["runs"]["trainer fp32"]
@@ -165,7 +173,7 @@ def test_a_part_that_would_not_fit_the_budget_is_skipped_and_says_so(tmp_path, m
     monkeypatch.setattr(gpu_check, "run_workers", lambda args, env, part, runs, timeout: ran.append(part) or {})
     args = gpu_check.parse_args(["--budget-s", "80", "--workdir", str(tmp_path), "--json", str(tmp_path / "r.json")])
     results = gpu_check.run_check(args)
-    assert ran == ["build", "collectives", "compile", "qlora", "offload", "planner"]  # estimated at 30-40 s
+    assert ran == ["build", "collectives", "cuda_tests", "compile", "qlora", "offload", "planner"]  # 30-40 s each
     assert results["parts"]["parity"]["status"].startswith("skipped: 45 s left of the budget, ~60 s needed")
     with open(tmp_path / "r.json") as f:  # written as the parts went
         assert json.load(f)["parts"]["throughput"]["status"].startswith("skipped")

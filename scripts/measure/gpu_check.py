@@ -11,6 +11,8 @@ estimates):
     build        a 100M Llama (fp32) and a 1B Llama of Llama-3.2-1B's shape (bf16), random weights, saved once
     collectives  every collective path of the package in a group of one, without the world-1 shortcut
                  (scripts/measure/collective_paths.py): NCCL gets every tensor a job of N GPUs would hand it  (~30)
+    cuda_tests   pytest -m gpu on the suite's CUDA-only tests no other part measures (tests/test_muon.py: Muon's
+                 Newton-Schulz and whole step bit-equal to torch's on cuBLAS; gpu_parts/cuda_tests.py)       (~30)
     two_ranks    2 ranks sharing the one GPU, each job against the same job in one process: full fine-tune fp32
                  and bf16, LoRA, QLoRA, cpu_offload with clipping (and a control: torch's own mesh must fail),
                  Muon, Adafactor, sequence parallelism, GRPO scored by a reward model, DPO, save -> resume ->
@@ -87,6 +89,7 @@ from gpu_parts.build import build  # noqa: E402
 from gpu_parts.checkpoints import checkpoints  # noqa: E402
 from gpu_parts.collectives import collectives  # noqa: E402
 from gpu_parts.common import FP32_TOLERANCE, PEAK_BF16, free_memory, sizes  # noqa: E402, F401 (tests read FP32_TOLERANCE)
+from gpu_parts.cuda_tests import cuda_tests  # noqa: E402
 from gpu_parts.generation import generate  # noqa: E402
 from gpu_parts.planner import measured_for_planner, planner  # noqa: E402
 from gpu_parts.report import render_markdown  # noqa: E402
@@ -96,8 +99,8 @@ from gpu_parts.two_ranks import plan_two_ranks, two_ranks  # noqa: E402
 
 # Dense bf16 peak FLOP/s by GPU name (SXM parts; the H200 has the H100's compute).
 PARTS = (
-    *("collectives", "two_ranks", "switches", "parity", "throughput", "compile", "qlora", "long_rows", "offload"),
-    *("generation", "checkpoints", "planner"),
+    *("collectives", "cuda_tests", "two_ranks", "switches", "parity", "throughput", "compile", "qlora"),
+    *("long_rows", "offload", "generation", "checkpoints", "planner"),
 )
 # Seconds each part took on one H100 (2026-11-27); checkpoints: its failed first try took 90.
 ESTIMATE_S = {"parity": 60, "throughput": 95, "compile": 40, "qlora": 35, "long_rows": 50, "offload": 35}
@@ -106,6 +109,7 @@ ESTIMATE_S |= {"two_ranks": 120}  # not measured yet: two launches' imports (~15
 # Not measured yet: two workers' imports and first runs (~25 s each, as parity's), three 1B runs (~6 s each, as
 # throughput's second runs) and Liger's Triton compilations (~20 s, a guess).
 ESTIMATE_S |= {"switches": 105}
+ESTIMATE_S |= {"cuda_tests": 30}  # not measured yet: pytest's start and torch's import (~15 s), three 256 x 512 steps
 # A part whose ranks can wait on each other has a time limit of its own on a GPU: a job that leaves one rank in a
 # collective would otherwise hold the loan until the whole budget is spent.
 LIMIT_S = {"two_ranks": 300}
@@ -136,6 +140,7 @@ def plan_runs(dry_run: bool) -> dict[str, list[dict[str, Any]]]:
         "long_rows": [dict(r, name=f"{r['seq']} tokens{' chunked' if r['chunk'] else ''}") for r in long],
         "offload": [dict(ac, name="hf_fsdp2 AC cpu_offload", offload=True, steps=4, warmup=1)],
         "collectives": [dict(name="collective paths", kind="collectives")],
+        "cuda_tests": [dict(name="cuda tests", kind="cuda_tests")],
         "generation": [dict(model="m1b", name="generate", kind="generate", batch=8, prompt=128 if not dry_run else 16)],
         "checkpoints": [dict(model="m1b", name="checkpoints", kind="checkpoints", bf16=True, batch=1, seq=256)],
         "planner": [dict(name="planner", kind="planner")],
@@ -302,6 +307,7 @@ def fetch_wheels(folder: str) -> None:
     names = [line.split(">")[0].split("=")[0].split("<")[0].strip() for line in lines if line.strip()]
     # datasets' pins the image may not meet; huggingface_hub and tokenizers are left as the image has them.
     names += ["dill", "multiprocess", "fsspec", "regex"]
+    names += ["pytest", "pluggy", "iniconfig"]  # part "cuda_tests" runs pytest
     pins = [f"{name}=={version(name)}" for name in names if name != "torch"] + [LIGER_WHEEL]
     platforms = [f"--platform=manylinux_{v}_x86_64" for v in ("2_28", "2_24", "2_17")] + [
         "--platform=manylinux2014_x86_64"
@@ -487,6 +493,7 @@ def run_jobs(jobs: list[dict], out: str) -> None:
 
 RUNNERS = {
     "collectives": collectives,
+    "cuda_tests": cuda_tests,
     "train": train,
     "generate": generate,
     "checkpoints": checkpoints,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from gpu_parts.checkpoints import checkpoint_table
 from gpu_parts.collectives import collectives_table
+from gpu_parts.cuda_tests import cuda_tests_table
 from gpu_parts.generation import generation_table
 from gpu_parts.planner import planner_table
 from gpu_parts.switches import switches_table
@@ -30,6 +31,7 @@ def render_markdown(results: dict) -> str:
         for name, p in parts.items()
     ]
     lines += collectives_table(parts.get("collectives", {}))
+    lines += cuda_tests_table(parts.get("cuda_tests", {}))
     lines += two_ranks_table(parts.get("two_ranks", {}))
     lines += switches_table(parts)
     lines += parity_table(parts.get("parity", {}))
