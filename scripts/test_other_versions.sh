@@ -6,7 +6,9 @@
 # versions they allow, except the pinned packages, which get exactly the version given, so a release outside the
 # tested range can be tried before the range is widened: the package itself is installed without dependency
 # resolution, and HF_FSDP2_ALLOW_UNTESTED=1 turns hf_fsdp2's refusal of an untested version into a warning.
-# VENV=/path reuses (or keeps) that environment; otherwise it is removed at the end. An unpinned torch from PyPI is
+# A whole-suite run (no pytest arguments) is recorded in scripts/results/versions/, the source of the Tested versions
+# table (python scripts/docs/versions_table.py renders it). VENV=/path reuses (or keeps) that environment; otherwise
+# it is removed at the end. An unpinned torch from PyPI is
 # the CUDA build (several GB with its nvidia-* wheels), which also runs on a CPU. Needs the package registry.
 set -euo pipefail
 pins=()
@@ -53,6 +55,14 @@ rm -f "$requirements"
 "$venv/bin/python" -m pip list 2>/dev/null | grep -iE "^(torch|transformers|accelerate|peft|trl|torchao|torch-optimi) " | tr -s ' '
 export OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_FSDP2_ALLOW_UNTESTED=1
 status=0
-"$venv/bin/python" -m pytest "${@:-tests}" || status=$?
+junit="$(dirname "$venv")/junit-$$.xml"
+start=$(date +%s)
+"$venv/bin/python" -m pytest "${@:-tests}" --junitxml "$junit" || status=$?
+# Only a whole-suite run becomes a row of the Tested versions table (scripts/results/versions/; render the table
+# with python scripts/docs/versions_table.py).
+if [ $# -eq 0 ] && [ -s "$junit" ]; then
+    "$venv/bin/python" scripts/docs/versions_table.py --record "$junit" --seconds $(( $(date +%s) - start ))
+fi
+rm -f "$junit"
 [ -n "${VENV:-}" ] && echo "kept $venv"
 exit $status
