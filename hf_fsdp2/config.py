@@ -79,8 +79,10 @@ class FSDP2Config:
         metadata={
             "help": "'nf4': QLoRA — the frozen base's linear weights become 4-bit NF4 (torchao's NF4Tensor, not "
             "bitsandbytes' kernels), each rank quantizing only its own rows, bit-equal to quantizing the whole "
-            "tensor; FSDP2 gathers them in 4 bits. Weights that cannot split into whole NF4 blocks at this world size "
-            "(and embeddings, head, norms) stay dense and are listed in the log. Needs the 'qlora' extra. Also set "
+            "tensor; FSDP2 gathers them in 4 bits. Weights that cannot split into whole NF4 blocks at this world size, "
+            "the head and embeddings by their role, whatever their names (get_output_embeddings(), "
+            "get_input_embeddings(); without a declared head, the last module) and tied weights stay dense and are "
+            "listed in the log. Needs the 'qlora' extra. Also set "
             "by from_pretrained(path, quantization_config=BitsAndBytesConfig(load_in_4bit=True, "
             "bnb_4bit_quant_type='nf4'))."
         },

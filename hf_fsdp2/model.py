@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 from typing import Any
 
 import torch
@@ -127,19 +128,40 @@ def _refuse_bitsandbytes(model: nn.Module) -> None:
     Raises:
         ValueError: naming what to pass instead.
     """
-    quantized = getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False)
-    layer = next((type(m).__name__ for m in model.modules() if type(m).__name__ in _BNB_LAYERS), None)
-    if quantized or layer:
+    found = quantized_by_bitsandbytes(model)
+    if found:
         raise ValueError(
-            f"{type(model).__name__} was quantized by bitsandbytes ({layer or 'is_loaded_in_4bit'}), whose quantized "
-            "weights FSDP2 cannot shard. Pass the path instead: FSDP2Trainer(model='path/to/hf-model', ...) with "
+            f"{type(model).__name__} was quantized by bitsandbytes ({found}), whose quantized weights FSDP2 cannot "
+            "shard. Pass the path instead: FSDP2Trainer(model='path/to/hf-model', ...) with "
             "hf_fsdp2.from_pretrained(path, quantization_config=BitsAndBytesConfig(load_in_4bit=True, "
             "bnb_4bit_quant_type='nf4')) or FSDP2Config(base_quantization='nf4'): the base becomes torchao NF4, "
             "sharded."
         )
 
 
-_BNB_LAYERS = ("Linear4bit", "Linear8bitLt", "LinearNF4", "LinearFP4")
+def quantized_by_bitsandbytes(model: nn.Module) -> str | None:
+    """What shows that bitsandbytes quantized `model` (None: nothing), asked of the owners, not of class names:
+    transformers' record of a bitsandbytes `quantization_config` (`hf_quantizer`, `is_loaded_in_4bit/8bit`), then
+    bitsandbytes' own parameter types (`Params4bit`, `Int8Params`), which every one of its quantized layers holds
+    (Linear4bit, Linear8bitLt, their 4- and 8-bit embeddings, subclasses).
+
+    bitsandbytes is not imported here: a parameter can only be one of its types once it was imported.
+    """
+    config = getattr(getattr(model, "hf_quantizer", None), "quantization_config", None)
+    method = getattr(config, "quant_method", None)
+    if str(getattr(method, "value", method)) == "bitsandbytes":
+        return f"quantization_config {type(config).__name__}"
+    for flag in ("is_loaded_in_4bit", "is_loaded_in_8bit"):
+        if getattr(model, flag, False):
+            return flag
+    bnb = sys.modules.get("bitsandbytes")
+    if bnb is None:
+        return None
+    quantized = (bnb.nn.Params4bit, bnb.nn.Int8Params)
+    for name, module in model.named_modules():
+        if any(isinstance(param, quantized) for param in module.parameters(recurse=False)):
+            return f"{name}: {type(module).__name__}"
+    return None
 
 
 def quantize_base(model: nn.Module, shards: int) -> None:

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, TrainingArguments
 
 from hf_fsdp2 import FSDP2Config, FSDP2Trainer, consolidate, from_pretrained
-from hf_fsdp2.adapters.methods import base_name, check_replayable
+from hf_fsdp2.adapters.methods import check_replayable
 from hf_fsdp2.checkpoints.adapters import check_trainable_are_saved, load_adapter, save_adapter
 from tests.launch import load_result, run, run_batch
 
@@ -211,16 +211,58 @@ def lora(model, r: int = 4, targets: tuple[str, ...] = ("q_proj", "v_proj"), **k
     return get_peft_model(model, LoraConfig(r=r, target_modules=list(targets), **kwargs))
 
 
-def test_base_names_undo_peft_wrapping():
-    assert base_name("base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight") == (
-        "model.layers.0.self_attn.q_proj.weight"
-    )
-    assert base_name("base_model.model.score.modules_to_save.default.weight") == "score.weight"
-    assert base_name("base_model.model.score.original_module.weight") == "score.weight"
-    assert base_name("base_model.model.lm_head.weight") == "lm_head.weight"
-    assert base_name("base_model.model.model.embed_tokens.token_adapter.base_layer.weight") == (
-        "model.embed_tokens.weight"
-    )
+def test_base_names_are_what_peft_layers_wrap_whatever_the_names():
+    """peft's layers say what they wrap: a base model's own module called `original_module` keeps its name (the
+    segment rule dropped it), trainable tokens' base layer and any adapter's copy name their original."""
+    from torch import nn
+
+    from hf_fsdp2.loading.facts import facts_of
+    from tests.tiny_models import llama
+
+    base = llama()
+    base.model.layers[0].mlp.original_module = nn.Linear(4, 4)
+    model = get_peft_model(base, LoraConfig(target_modules=["q_proj"], modules_to_save=["lm_head"],
+                                            trainable_token_indices=[3]), adapter_name="mine")  # fmt: skip
+    facts = facts_of(model)
+    assert {name: facts.base_name(f"base_model.model.{name}") for name in (
+        "model.layers.0.mlp.original_module.weight", "model.layers.0.self_attn.q_proj.base_layer.weight",
+        "lm_head.modules_to_save.mine.weight", "lm_head.original_module.weight",
+        "model.embed_tokens.token_adapter.base_layer.weight",
+    )} == {
+        "model.layers.0.mlp.original_module.weight": "model.layers.0.mlp.original_module.weight",
+        "model.layers.0.self_attn.q_proj.base_layer.weight": "model.layers.0.self_attn.q_proj.weight",
+        "lm_head.modules_to_save.mine.weight": "lm_head.weight", "lm_head.original_module.weight": "lm_head.weight",
+        "model.embed_tokens.token_adapter.base_layer.weight": "model.embed_tokens.weight",
+    }  # fmt: skip
+    assert facts.base_spellings["base_model.model.lm_head.modules_to_save.mine.weight"][1] == "mine"
+    assert facts.base_spellings["base_model.model.lm_head.original_module.weight"][1] == ""
+
+
+def test_the_merged_state_holds_what_peft_merge_and_unload_holds():
+    """The active adapter has no copy of lm_head (another adapter trains it through modules_to_save): peft's forward and
+    merge_and_unload use the original, which the substring rule dropped from the export; a base module called
+    `original_module` was dropped too. Every exported tensor, merged, equals peft's merge_and_unload."""
+    import copy
+
+    from torch import nn
+
+    from hf_fsdp2.checkpoints.adapters import merged_state
+    from tests.tiny_models import llama
+
+    torch.manual_seed(0)
+    base = llama()
+    base.model.layers[0].mlp.original_module = nn.Linear(4, 4)
+    model = get_peft_model(base, LoraConfig(target_modules=["q_proj"], modules_to_save=["lm_head"]), adapter_name="h")
+    model.add_adapter("plain", LoraConfig(target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    with torch.no_grad():
+        model.base_model.model.lm_head.modules_to_save["h"].weight.add_(1.0)  # a trained copy differs from the original
+    for active in ("plain", "h"):
+        model.set_adapter(active)
+        export, merge = merged_state(model, model.state_dict())
+        expected = copy.deepcopy(model).merge_and_unload().state_dict()
+        assert export.keys() == expected.keys(), active
+        for name, tensor in export.items():
+            torch.testing.assert_close(merge(name, tensor.detach().clone()), expected[name], msg=f"{active}: {name}")
 
 
 def test_adapter_from_another_base_model_is_refused(tmp_path, tiny):

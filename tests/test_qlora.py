@@ -141,16 +141,117 @@ def test_which_weights_stay_dense_and_why():
     from hf_fsdp2.adapters.nf4 import why_not_nf4
 
     frozen = nn.Parameter(torch.empty(256, 256, device="meta"), requires_grad=False)
-    assert why_not_nf4("model.layers.0.self_attn.q_proj.weight", frozen, 2) is None
-    assert why_not_nf4("lm_head.weight", frozen, 2) == "embedding, head or norm"
-    assert "do not split over 3 ranks" in why_not_nf4("x.q_proj.weight", frozen, 3)
+    assert why_not_nf4(frozen, 2) is None
+    assert why_not_nf4(frozen, 2, role="the output embeddings (head)") == "the output embeddings (head)"
+    assert "do not split over 3 ranks" in why_not_nf4(frozen, 3)
     small = nn.Parameter(torch.empty(128, 128, device="meta"), requires_grad=False)
-    assert "not a whole number of 16384-value blocks" in why_not_nf4("x.q_proj.weight", small, 2)
-    assert why_not_nf4("x.q_proj.weight", nn.Parameter(torch.empty(256, 256, device="meta")), 2) == "trainable"
+    assert "not a whole number of 16384-value blocks" in why_not_nf4(small, 2)
+    trained = nn.Parameter(torch.empty(256, 256, device="meta"))
+    assert why_not_nf4(trained, 2, role="the input embeddings") == "trainable"
     from hf_fsdp2.adapters.nf4 import describe_dense
 
     dense = {f"model.layers.{i}.mlp.down_proj.weight": "slice" for i in range(3)} | {"lm_head.weight": "head"}
     assert describe_dense(dense) == "lm_head.weight: head; model.layers.*.mlp.down_proj.weight: slice"
+
+
+def _head_named_output(declared: bool) -> torch.nn.Module:
+    """A tiny model (on meta) whose head is `output`, declared by get_output_embeddings or only the last module, and
+    whose ordinary projections are called `embed_proj` and `norm_proj`; every weight splits into NF4 at 2 ranks."""
+    from torch import nn
+    from transformers import PretrainedConfig, PreTrainedModel
+
+    class OutputHead(PreTrainedModel):
+        config_class = PretrainedConfig
+
+        def __init__(self, config: PretrainedConfig) -> None:
+            super().__init__(config)
+            self.embed = nn.Embedding(128, 256)
+            self.embed_proj = nn.Linear(256, 256, bias=False)
+            self.norm_proj = nn.Linear(256, 256, bias=False)
+            self.output = nn.Linear(256, 128, bias=False)
+
+        def get_input_embeddings(self) -> nn.Module:
+            return self.embed
+
+    if declared:
+        OutputHead.get_output_embeddings = lambda self: self.output
+    with torch.device("meta"):
+        return OutputHead(PretrainedConfig()).requires_grad_(False)
+
+
+@pytest.mark.parametrize("declared", [True, False])
+def test_the_head_stays_dense_by_its_role_whatever_its_name(declared):
+    """A head called `output` (GIT's, InternLM2's) stays dense, declared as the output embeddings or, undeclared, as the
+    last module (transformers keeps both out of bitsandbytes' 4-bit too); projections called `embed_proj`/`norm_proj`
+    are ordinary weights and become NF4. The substring rule (lm_head, embed, norm) got all three wrong."""
+    from peft import LoraConfig, get_peft_model
+
+    from hf_fsdp2.adapters.nf4 import nf4_candidates
+
+    model = _head_named_output(declared)
+    chosen, dense = nf4_candidates(model, 2)
+    head = "the output embeddings (head)" if declared else "the last module (a task head)"
+    assert chosen == ["embed_proj.weight", "norm_proj.weight"] and dense == {"output.weight": head}
+    lora = get_peft_model(_head_named_output(declared), LoraConfig(target_modules=["output", "norm_proj"]))
+    chosen, dense = nf4_candidates(lora, 2)  # the head's base layer keeps the role of the LoRA layer around it
+    assert dense == {"base_model.model.output.base_layer.weight": head}
+    assert chosen == ["base_model.model.embed_proj.weight", "base_model.model.norm_proj.base_layer.weight"]
+
+
+def test_a_git_base_from_its_path_keeps_its_output_head_dense(tmp_path):
+    """GIT names its LM head `output` (its blocks have `output.dense` projections): from a path, through the QLoRA
+    switch, the head stays dense and every block projection becomes NF4."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import GitConfig, GitForCausalLM
+
+    from hf_fsdp2 import from_pretrained
+    from hf_fsdp2.adapters.nf4 import is_nf4
+    from hf_fsdp2.model import quantize_base
+
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, image_size=32,
+                  patch_size=16)  # fmt: skip
+    text = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=1, num_attention_heads=4, vocab_size=128,
+                max_position_embeddings=64, tie_word_embeddings=False)  # fmt: skip
+    config = GitConfig(vision_config=vision, **text)
+    GitForCausalLM(config).save_pretrained(tmp_path)
+    model = get_peft_model(from_pretrained(str(tmp_path)), LoraConfig(target_modules=["query", "value"]))
+    quantize_base(model, 2)
+    nf4 = sorted(name.removeprefix("base_model.model.git.encoder.layer.0.") for name, p in model.named_parameters()
+                 if is_nf4(p))  # fmt: skip
+    assert not is_nf4(model.get_parameter("base_model.model.output.weight"))
+    assert nf4 == [
+        "attention.output.dense.weight", "attention.self.key.weight", "attention.self.query.base_layer.weight",
+        "attention.self.value.base_layer.weight", "intermediate.dense.weight", "output.dense.weight",
+    ]  # fmt: skip
+
+
+def test_a_weight_tied_to_another_stays_dense():
+    """Tied weights are found by the tie itself (one Parameter under two names), whatever the modules are called."""
+    from hf_fsdp2.adapters.nf4 import nf4_candidates
+
+    model = _head_named_output(declared=True)
+    model.norm_proj.weight = model.embed_proj.weight
+    assert nf4_candidates(model, 2) == ([], {
+        "embed_proj.weight": "tied to norm_proj.weight", "norm_proj.weight": "tied to embed_proj.weight",
+        "output.weight": "the output embeddings (head)",
+    })  # fmt: skip
+
+
+def test_nf4_is_torchaos_type_not_a_class_name():
+    """A subclass of torchao's NF4Tensor is NF4 whatever its name; another library's tensor called NF4Tensor is not."""
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor, SubclassTensorArgs
+
+    from hf_fsdp2.adapters.nf4 import is_nf4, meta_nf4
+
+    nf4 = meta_nf4(torch.empty(256, 64, device="meta"))
+    assert is_nf4(nf4)
+    inner = ("block_size", "n_blocks", "scaler_block_size", "quantized_scalers", "quantization_factor", "scaler_mean",
+             "quantized_data", "nf4")  # fmt: skip
+    args = SubclassTensorArgs(nf4.size(), nf4.stride(), 0, nf4.dtype, nf4.device, False)
+    renamed = type("QuantizedBase", (NF4Tensor,), {})(args, *(getattr(nf4, name) for name in inner))
+    assert is_nf4(renamed)
+    other = torch.zeros(4).as_subclass(type("NF4Tensor", (torch.Tensor,), {}))
+    assert not is_nf4(other)
 
 
 def test_other_quantization_configs_are_refused_by_name():
@@ -183,6 +284,29 @@ def test_a_model_bitsandbytes_quantized_is_refused_naming_the_path_route(tiny):
     model.is_loaded_in_4bit = True  # what from_pretrained(..., quantization_config=BitsAndBytesConfig(...)) sets
     with pytest.raises(ValueError, match="was quantized by bitsandbytes .* Pass the path instead"):
         prepare_model(model, FSDP2Config())
+
+
+def test_bitsandbytes_quantization_is_found_by_its_types_and_config_not_class_names(tiny):
+    """bitsandbytes' 4-bit embedding (EmbeddingNF4: no name on the old list) is refused by its Params4bit weight, a
+    model transformers quantized by its BitsAndBytesConfig; a user's own layer called Linear8bitLt is not refused."""
+    bnb = pytest.importorskip("bitsandbytes")
+    from torch import nn
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from hf_fsdp2 import FSDP2Config, prepare_model
+    from hf_fsdp2.model import quantized_by_bitsandbytes
+
+    model = AutoModelForCausalLM.from_pretrained(tiny("llama"))
+    assert quantized_by_bitsandbytes(model) is None
+    model.model.layers[0].mlp.down_proj = type("Linear8bitLt", (nn.Linear,), {})(64, 32)  # not bitsandbytes'
+    assert quantized_by_bitsandbytes(model) is None
+    model.model.embed_tokens = bnb.nn.EmbeddingNF4(96, 32)
+    assert quantized_by_bitsandbytes(model) == "model.embed_tokens: EmbeddingNF4"
+    with pytest.raises(ValueError, match=r"quantized by bitsandbytes \(model.embed_tokens: EmbeddingNF4\)"):
+        prepare_model(model, FSDP2Config())
+    model = AutoModelForCausalLM.from_pretrained(tiny("llama"))
+    model.hf_quantizer = type("Quantizer", (), {"quantization_config": BitsAndBytesConfig(load_in_4bit=True)})()
+    assert quantized_by_bitsandbytes(model) == "quantization_config BitsAndBytesConfig"
 
 
 def test_a_base_left_trainable_or_too_small_for_nf4_is_refused_naming_why(tiny):

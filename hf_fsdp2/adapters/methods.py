@@ -18,12 +18,6 @@ from torch import nn
 
 from .trainable_tokens import rows_read_from_the_checkpoint
 
-_TUNER_ROOT = "base_model.model"  # where a tuner (LoRA, VeRA, ...) keeps the base model
-# Segments that peft inserts into a base tensor's name: tuner layers keep the base module as `base_layer`,
-# modules_to_save keep the original and one trained copy per adapter, trainable tokens (trainable_token_indices) keep
-# the embedding as `token_adapter.base_layer`.
-_WRAPPER_SEGMENTS = ("base_layer", "original_module", "token_adapter")
-_COPIES_SEGMENT = "modules_to_save"
 # Seed of the varied stand-in's values: any values other than the zero stand-in's do (a fixed seed keeps it repeatable).
 _STANDIN_SEED = 0
 
@@ -41,7 +35,7 @@ def adapter_tensor_names(model: nn.Module) -> frozenset[str]:
     projections, DoRA's magnitudes), or what is not a tensor of `get_base_model()` (prompt encoders).
 
     The trained copies of `modules_to_save` are left out: they start as copies of base weights, which the base
-    checkpoint holds under the original's name (see `base_name`).
+    checkpoint holds under the original's name (see `base_spellings`).
     """
     saved, base = _saved_tensor_ids(model), {id(t) for _, t in _named_tensors(model.get_base_model())}
     copies = {id(t) for _, t in _named_tensors(_copies_of_base(model))}
@@ -122,23 +116,50 @@ def check_supported(model: nn.Module) -> None:
             )
 
 
-def base_name(name: str, root: str = _TUNER_ROOT) -> str:
-    """The base model's name for a PEFT model's base tensor: `base_model.model.x.q_proj.base_layer.weight` →
-    `x.q_proj.weight`; a modules_to_save copy maps to the original it was copied from. `root` is where the base
-    model sits (`base_root`)."""
-    parts = name.split(".")
-    if parts[: len(root.split("."))] == root.split("."):
-        parts = parts[len(root.split(".")) :]
-    out: list[str] = []
-    skip_next = False
-    for part in parts:
-        if skip_next:
-            skip_next = False
-        elif part == _COPIES_SEGMENT:
-            skip_next = True  # the adapter name that follows
-        elif part not in _WRAPPER_SEGMENTS:
-            out.append(part)
-    return ".".join(out)
+def base_spellings(model: nn.Module) -> dict[str, tuple[str, str | None]]:
+    """Each name of each tensor under a PEFT model's base model → the base model's own name for it, and which copy it
+    is: None for a tensor of the base, "" for the original a `ModulesToSaveWrapper` keeps, else the adapter whose
+    trained copy it is (a copy is named like the original it was copied from).
+
+    Asked of peft's layers, not read from names: a tuner layer (`BaseTunerLayer`) and an auxiliary training wrapper
+    (modules_to_save, trainable tokens) each say which module they wrap (`get_base_layer()`, `original_module`), and a
+    modules_to_save wrapper holds its copies in `modules_to_save`. So a base model's own module called
+    `original_module`, `modules_to_save` or `token_adapter` keeps its name (a rule on name segments would drop it).
+    """
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils import ModulesToSaveWrapper
+    from peft.utils.other import AuxiliaryTrainingWrapper
+
+    found: dict[str, tuple[str, str | None]] = {}
+
+    def join(prefix: str, leaf: str) -> str:
+        return f"{prefix}.{leaf}" if prefix else leaf
+
+    def wrapped(module: nn.Module) -> nn.Module | None:
+        if isinstance(module, BaseTunerLayer):
+            return module.get_base_layer()
+        return module.original_module if isinstance(module, AuxiliaryTrainingWrapper) else None
+
+    def visit(module: nn.Module, name: str, base: str, copy: str | None) -> None:
+        for leaf, tensor in [*module._parameters.items(), *module._buffers.items()]:
+            if tensor is not None:
+                found[join(name, leaf)] = (join(base, leaf), copy)
+        inner = wrapped(module)
+        for leaf, child in module._modules.items():
+            if child is None:
+                continue
+            wraps_inner = inner is not None and (child is inner or wrapped(child) is inner)  # a layer or a tuner on it
+            if isinstance(module, ModulesToSaveWrapper) and child is module.modules_to_save:
+                for adapter, trained in child.items():
+                    visit(trained, join(join(name, leaf), adapter), base, adapter)
+            elif wraps_inner:
+                original = isinstance(module, ModulesToSaveWrapper) and copy is None
+                visit(child, join(name, leaf), base, "" if original else copy)
+            else:
+                visit(child, join(name, leaf), join(base, leaf), copy)
+
+    visit(model.get_base_model(), base_root(model), "", None)
+    return found
 
 
 def check_replayable(model: nn.Module, base: nn.Module) -> None:

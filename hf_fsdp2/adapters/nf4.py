@@ -10,7 +10,7 @@ implements its all-gather hooks). Knows nothing about the Trainer or checkpoints
 
 from __future__ import annotations
 
-import os
+import sys
 from typing import Any
 
 import torch
@@ -18,11 +18,12 @@ import torch.distributed as dist
 from torch import nn
 
 from ..distributed import alone
+from .methods import is_peft_model
 from .nf4_nearest import nearest_codes
 
 BLOCK, SCALER_BLOCK = 64, 256  # torchao's defaults (and QLoRA's)
 NEAREST_CHUNK = 2**16  # values scaled and coded at once: under 2 MiB of buffers (nf4_nearest)
-_SKIPPED_MODULES = ("lm_head", "embed", "wte", "wpe", "norm")
+_NF4_MODULE = "torchao.quantization.quantize_.workflows.nf4.nf4_tensor"  # where torchao 0.18 defines NF4Tensor
 
 
 # Bytes an NF4 weight holds per element: 4-bit codes, an int8 scaler per 64 values, a float32 factor per 64 x 256
@@ -32,28 +33,29 @@ NF4_BYTES_PER_ELEMENT = 0.5 + 1 / 64 + 4 / (64 * 256)
 
 def _torchao_nf4() -> Any:
     """torchao's NF4 module, or an error naming the extra to install."""
-    os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")  # NF4 is pure PyTorch: no CUDA kernels needed
+    # NOTE: torchao may print that its CUDA kernels failed to load; NF4 is pure PyTorch and needs none. We set no
+    # environment variable to silence it (process-wide); Troubleshooting says which one a user may set.
     try:
         from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
-    except ImportError as error:
+    except ImportError as error:  # NOTE: the module is _NF4_MODULE, which `is_nf4` looks up
         raise ImportError(
             "4-bit (NF4) bases need torchao: pip install 'hf_fsdp2[qlora]' (torchao is an optional extra)."
         ) from error
     return nf4_tensor
 
 
-def why_not_nf4(name: str, param: torch.Tensor, shards: int) -> str | None:
+def why_not_nf4(param: torch.Tensor, shards: int, role: str | None = None) -> str | None:
     """Why this weight stays dense at `shards` ranks, or None when it can be NF4 and split evenly.
 
-    Each rank's rows must hold whole 64 x 256-value scaler blocks, and rows must split evenly (FSDP pads
-    uneven splits, which NF4 cannot do).
+    `role`: the role that keeps its module dense (`dense_roles`), if it has one. Each rank's rows must hold whole
+    64 x 256-value scaler blocks, and rows must split evenly (FSDP pads uneven splits, which NF4 cannot do).
     """
     if param.requires_grad:
         return "trainable"
     if param.ndim != 2:
         return f"{param.ndim}-D"
-    if any(part in name.split(".")[-2] for part in _SKIPPED_MODULES):
-        return "embedding, head or norm"
+    if role is not None:
+        return role
     rows, cols = param.shape
     if rows % shards:
         return f"{rows} rows do not split over {shards} ranks"
@@ -62,14 +64,75 @@ def why_not_nf4(name: str, param: torch.Tensor, shards: int) -> str | None:
     return None
 
 
+def dense_roles(model: nn.Module) -> dict[int, str]:
+    """The modules (by id, with everything inside them) whose weights stay dense for their role, as the model
+    declares it; whatever their names: its output embeddings (the head, `get_output_embeddings()`), its input
+    embeddings, and, for a model that declares no output embeddings, the module holding its last parameter (a task
+    head: `score`, `classifier`). Tied weights are found by `nf4_candidates`. These are the modules transformers
+    keeps out of bitsandbytes' 4-bit conversion too (`get_keys_to_not_convert`), so both routes quantize the same.
+
+    A PEFT model is asked through its base model; a module peft wrapped (LoRA's layer, modules_to_save) keeps its role
+    with everything inside it (the base layer, the original).
+    """
+    base = model.get_base_model() if is_peft_model(model) else model
+    head = _declared(base, "get_output_embeddings")
+    found = [
+        ("the output embeddings (head)", head),
+        ("the input embeddings", _declared(base, "get_input_embeddings")),
+        ("the last module (a task head)", _last_module(base) if head is None else None),
+    ]
+    roles: dict[int, str] = {}
+    for role, owner in found:
+        for module in owner.modules() if owner is not None else ():
+            roles.setdefault(id(module), role)
+    return roles
+
+
+def _declared(model: nn.Module, getter: str) -> nn.Module | None:
+    """What `model.get_output_embeddings()` / `get_input_embeddings()` answers, None when it has no such module."""
+    get = getattr(model, getter, None)
+    try:
+        found = get() if callable(get) else None
+    except NotImplementedError:  # transformers' base raises it for models without a text embedding
+        return None
+    return found if isinstance(found, nn.Module) else None
+
+
+def _last_module(model: nn.Module) -> nn.Module | None:
+    """The module holding the model's last parameter (where transformers' task heads sit), or the outermost peft
+    layer wrapping it: peft registers an adapter's tensors after the module it wraps."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils.other import AuxiliaryTrainingWrapper
+
+    last = next(reversed([name for name, _ in model.named_parameters()]), None)
+    if last is None:
+        return None
+    owner = last.rpartition(".")[0]
+    parts = owner.split(".") if owner else []
+    for depth in range(1, len(parts) + 1):
+        module = model.get_submodule(".".join(parts[:depth]))
+        if isinstance(module, (BaseTunerLayer, AuxiliaryTrainingWrapper)):
+            return module
+    return model.get_submodule(owner)
+
+
 def nf4_candidates(model: nn.Module, shards: int) -> tuple[list[str], dict[str, str]]:
-    """The frozen linear weights that become NF4 at this shard count, and the other frozen ones with why not."""
+    """The frozen linear weights that become NF4 at this shard count, and the other frozen ones with why not.
+
+    Linear layers only (`nn.Linear` and its subclasses: what torchao's NF4 computes with), except those the model
+    keeps dense for their role (`dense_roles`) and weights tied to another name.
+    """
+    roles = dense_roles(model)
+    names_of: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(param), []).append(name)
     chosen, dense = [], {}
     for module_name, module in model.named_modules():
         if not isinstance(module, nn.Linear):
             continue
         name = f"{module_name}.weight"
-        reason = why_not_nf4(name, module.weight, shards)
+        tied = [other for other in names_of.get(id(module.weight), []) if other != name]
+        reason = why_not_nf4(module.weight, shards, roles.get(id(module)) or (f"tied to {tied[0]}" if tied else None))
         if reason is None:
             chosen.append(name)
         elif reason != "trainable":  # adapters and trained layers are no part of the frozen base
@@ -197,6 +260,10 @@ def stored_bytes(tensor: torch.Tensor) -> int:
 
 
 def is_nf4(tensor: torch.Tensor) -> bool:
-    """True for an NF4Tensor (or a DTensor holding one)."""
-    local = getattr(tensor, "_local_tensor", tensor)
-    return type(local).__name__ == "NF4Tensor"
+    """True for torchao's NF4Tensor (or a DTensor holding one), subclasses included.
+
+    torchao is not imported here (it is an optional extra, and slow to import): a tensor can only be an NF4Tensor
+    once torchao's module defining it was imported, so until then nothing is.
+    """
+    defining = sys.modules.get(_NF4_MODULE)
+    return defining is not None and isinstance(getattr(tensor, "_local_tensor", tensor), defining.NF4Tensor)

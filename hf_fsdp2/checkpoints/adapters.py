@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..adapters.methods import active_adapter, base_name, untracked_trainable
+from ..adapters.methods import active_adapter, untracked_trainable
 from ..adapters.nf4 import is_nf4
 from ..adapters.trainable_tokens import token_layers
 from ..distributed import is_rank0, warn_rank0
@@ -248,20 +248,28 @@ def check_mergeable(model: nn.Module) -> tuple[str, dict[str, nn.Module]]:
 def merged_state(model: nn.Module, state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], MergeFn]:
     """Base-model names → live tensors for a merged export, and the function that merges a gathered copy.
 
-    `state` is the sharded state dict of the PEFT model. Adapter tensors, the originals of modules_to_save
-    and other adapters' copies are left out; the active adapter's copies replace their originals.
+    `state` is the sharded state dict of the PEFT model. Adapter tensors and other adapters' copies of
+    modules_to_save are left out; the active adapter's copy replaces its original, which stays where the active
+    adapter has no copy (as peft's forward and merge_and_unload use it). Which tensor is which, peft's layers say
+    (`facts.base_spellings`), not their names.
+
+    Raises:
+        ValueError: when the active adapter cannot be merged (`check_mergeable`).
+        RuntimeError: for a tensor of `state` the model's facts do not place (the model changed after `describe`).
     """
     adapter, layers = check_mergeable(model)
     facts = facts_of(model)
+    replaced = {base for base, copy in facts.base_spellings.values() if copy == adapter}
     export: dict[str, torch.Tensor] = {}
     sources: dict[str, str] = {}
     for name, tensor in state.items():
-        if facts.is_adapter(name) or ".original_module." in name:
+        if name not in facts.base_spellings:
+            raise RuntimeError(f"{name} is in the model's state but was not under its base model when described.")
+        base, copy = facts.base_spellings[name]
+        if facts.is_adapter(name) or copy not in (None, "", adapter) or (copy == "" and base in replaced):
             continue
-        if ".modules_to_save." in name and f".modules_to_save.{adapter}." not in name:
-            continue
-        export[base_name(name, facts.base_root)] = tensor
-        sources[base_name(name, facts.base_root)] = name
+        export[base] = tensor
+        sources[base] = name
 
     def merge(export_name: str, full: torch.Tensor) -> torch.Tensor:
         layer = layers.get(sources[export_name])

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..adapters.methods import adapter_tensor_names, base_root, is_peft_model
+from ..adapters.methods import adapter_tensor_names, base_root, base_spellings, is_peft_model
 from .branches import find_branches
 from .skeleton import PretrainedSource, first_meta_tensor, get_source, tie_groups
 
@@ -39,6 +39,9 @@ class ModelFacts:
     upcast_from: dict[str, torch.dtype] = field(default_factory=dict)
     # Where a PEFT model keeps its transformers model (`adapters.base_root`); "" for a plain model.
     base_root: str = ""
+    # A PEFT model's tensor names under its base model → (the base model's name, which copy), by peft's layers
+    # (`adapters.base_spellings`); empty for a plain model.
+    base_spellings: dict[str, tuple[str, str | None]] = field(default_factory=dict)
     # Tensors the checkpoint lacks, initialized as from_pretrained would (filled in when each rank reads its
     # slices; on the rank-0 route from_pretrained itself reports them).
     missing: list[str] = field(default_factory=list)
@@ -51,6 +54,12 @@ class ModelFacts:
     def is_adapter(self, name: str) -> bool:
         """True for a tensor of the PEFT adapters (which no base checkpoint holds), by any of its names."""
         return self.adapter_tensors is not None and name in self.adapter_tensors
+
+    def base_name(self, name: str) -> str:
+        """The base model's name for a tensor of a PEFT model (a modules_to_save copy: its original's); `name` itself
+        for a plain model's tensor, or a tensor outside the base model (a prompt encoder's)."""
+        spelling = self.base_spellings.get(name)
+        return name if spelling is None else spelling[0]
 
     @property
     def tie_map(self) -> dict[str, list[str]]:
@@ -69,6 +78,7 @@ class ModelFacts:
             source=get_source(model),
             branches=find_branches(model),
             base_root=base_root(model) if peft else "",
+            base_spellings=base_spellings(model) if peft else {},
         )
 
     def verify(self, model: nn.Module) -> None:

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from ..adapters.methods import base_name, replayed_adapter_values
+from ..adapters.methods import replayed_adapter_values
 from ..adapters.trainable_tokens import checkpoint_row_reader, initial_token_values
 from ..distributed import broadcast_from_rank0
 from .facts import facts_of, unwrap_peft
@@ -46,7 +46,7 @@ def initial_values(model: nn.Module, plan: SafetensorsPlan, state: torch.Tensor)
         values_loaded_into_skeleton(model)  # refuses any: a plain model's tensors all come from the checkpoint
         with rng_state(state):
             return init_missing(model, plan.missing)
-    source, root = facts.source, facts.base_root
+    source = facts.source
     kept = values_loaded_into_skeleton(model)
     # Adapter buffers outside the state dict too (VeRA's projections with save_projection=False): no checkpoint
     # holds them either, and peft computes them.
@@ -56,11 +56,11 @@ def initial_values(model: nn.Module, plan: SafetensorsPlan, state: torch.Tensor)
     with rng_state(state):
         # A PEFT model's base is initialized as the unwrapped model it was built from, then its adapters.
         pristine = build_skeleton(source.path, source.auto_class, source.kwargs)
-        base_values = init_missing(pristine, sorted({base_name(n, root) for n in plan.missing}))
+        base_values = init_missing(pristine, sorted({facts.base_name(n) for n in plan.missing}))
         values = replayed_adapter_values(model, pristine, replay) if replay else {}
     for name, _ in [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]:
-        if base_name(name, root) in base_values and not facts.is_adapter(name):
-            values[name] = base_values[base_name(name, root)]
+        if facts.base_name(name) in base_values and not facts.is_adapter(name):
+            values[name] = base_values[facts.base_name(name)]
     # peft copies the base rows of trainable_token_indices; the replay read zeros there, the checkpoint has them.
     values.update(initial_token_values(model, checkpoint_row_reader(source.path, plan.keys)))
     # Adapters with values (e.g. loaded by PeftModel.from_pretrained) are rank 0's on every rank.

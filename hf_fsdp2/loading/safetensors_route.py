@@ -18,7 +18,6 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
-from ..adapters.methods import base_name
 from ..adapters.nf4 import global_mean_absmax, is_nf4, nf4_from_rows
 from ..distributed import get_device, raise_if_any_rank
 from .facts import facts_of
@@ -68,7 +67,7 @@ def plan_safetensors_load(model: nn.Module, checkpoint_shapes: dict[str, torch.S
             plan.adapters.append(names[0])
             continue
         tensor = get_tensor(model, names[0])
-        spellings = [base_name(n, facts.base_root) for n in names] if facts.is_peft else names
+        spellings = [facts.base_name(n) for n in names]
         found = next((key for n in spellings for key in _candidates(n, prefix) if key in checkpoint_shapes), None)
         if found is None:
             plan.missing.append(names[0])
