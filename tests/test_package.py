@@ -57,13 +57,17 @@ def test_the_api_page_documents_every_public_name():
     assert set(hf_fsdp2.__all__) - rendered == {"FSDP2Config"}
 
 
-def test_importing_the_package_and_its_trainer_sets_no_environment_variable():
-    """Configuration is the user's: `import hf_fsdp2` (and its trainer) leaves os.environ as it found it."""
+def test_importing_the_package_and_its_trainer_and_using_nf4_set_no_environment_variable():
+    """Configuration is the user's: `import hf_fsdp2` (and its trainer), and a first NF4 quantisation (which imports
+    torchao), leave os.environ as they found it."""
     code = (
         "import os, json\n"
         "before = dict(os.environ)\n"
         "import hf_fsdp2\n"
         "from hf_fsdp2 import FSDP2Trainer, FSDP2Config\n"
+        "import torch\n"
+        "from hf_fsdp2.adapters.nf4 import _torchao_nf4\n"
+        "_torchao_nf4().to_nf4(torch.randn(64, 256))\n"
         "print(json.dumps(sorted(set(os.environ.items()) ^ set(before.items()))))\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "TORCHAO_FORCE_SKIP_LOADING_SO_FILES"}
