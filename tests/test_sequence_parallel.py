@@ -234,3 +234,18 @@ def test_a_checkpoint_resumes_at_another_sequence_parallel_size(runs):
     config = open(os.path.join(runs["resumed_full"], "config.json")).read()
     assert '"hf_fsdp2' not in config  # the export names no internal attention
     assert full["generate_same"]  # greedy tokens of the trained sharded model = its export loaded unsharded
+
+
+def test_only_trls_own_sft_trainer_is_trusted_with_slices_not_any_class_of_that_name():
+    """TRL's SFTTrainer scores slices; a user's class that is also called SFTTrainer (old rule: by name) is not."""
+    trl = pytest.importorskip("trl")
+    from transformers import Trainer
+
+    from hf_fsdp2.trainer.step import whole_row_losses
+
+    class SFTTrainer(Trainer):  # a user's, with a loss over whole rows
+        def compute_loss(self, *args, **kwargs):
+            raise NotImplementedError
+
+    assert whole_row_losses(object.__new__(SFTTrainer)) == [SFTTrainer]
+    assert whole_row_losses(object.__new__(trl.SFTTrainer)) == []

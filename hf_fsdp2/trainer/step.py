@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -242,7 +243,7 @@ def _check_sequence_parallel_trainer(trainer: Trainer) -> None:
     Raises:
         ValueError: naming the trainer class, compute_loss_func or label smoothing.
     """
-    own = [cls.__name__ for cls in _own_compute_loss(trainer) if cls.__name__ not in _SLICE_AWARE_TRAINERS]
+    own = [cls.__name__ for cls in whole_row_losses(trainer)]
     problem = (
         f"{own[0]} computes its own loss from whole rows"
         if own
@@ -260,5 +261,10 @@ def _check_sequence_parallel_trainer(trainer: Trainer) -> None:
         )
 
 
-# Trainers whose own compute_loss scores pre-shifted `shift_labels` slice by slice (TRL's SFT: its fused LM head).
-_SLICE_AWARE_TRAINERS = ("SFTTrainer",)
+def whole_row_losses(trainer: Trainer) -> list[type]:
+    """The classes whose own compute_loss may read whole rows: all of `_own_compute_loss` but TRL's SFTTrainer
+    itself, which scores pre-shifted `shift_labels` slice by slice (its fused LM head). Asked by identity: a user's
+    class that happens to be called SFTTrainer is not TRL's."""
+    sft = sys.modules.get("trl.trainer.sft_trainer")  # a trainer built on TRL's class has imported it already
+    slice_aware = getattr(sft, "SFTTrainer", None)
+    return [cls for cls in _own_compute_loss(trainer) if cls is not slice_aware]
