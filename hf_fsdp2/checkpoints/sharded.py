@@ -65,7 +65,11 @@ def validate_checkpoint(checkpoint: str) -> str:
         ValueError: when `checkpoint` is not a directory, is adapter-only, or has no complete model folder.
     """
     if not os.path.isdir(checkpoint):
-        raise ValueError(f"{checkpoint} is not a directory; pass a checkpoint-N folder or its {MODEL_DIR}.")
+        # Trainer's own words first: scripts and tests match "Can't find a valid checkpoint at".
+        raise ValueError(
+            f"Can't find a valid checkpoint at {checkpoint}: it is not a directory; pass a checkpoint-N folder or its "
+            f"{MODEL_DIR}."
+        )
     directory = model_dir(checkpoint)
     if not os.path.isdir(directory) and os.path.isfile(os.path.join(checkpoint, "adapter_model.safetensors")):
         raise ValueError(
