@@ -13,11 +13,15 @@ import time
 from typing import Any
 
 import pytest
+from torch.distributed.fsdp import FSDPModule
 
 from hf_fsdp2 import FSDP2Config
 from tests.launch import load_runs, run
 
-ONE_PROCESS = ["fp16", "fp16_accumulated", "fp16_clipped", "fp32", "oom_forward_everywhere"]
+# torch 2.11 has no FSDPModule.reset_iter_state: auto_find_batch_size is refused there (its own test below).
+RETRIES = hasattr(FSDPModule, "reset_iter_state")
+needs_retries = pytest.mark.skipif(not RETRIES, reason="auto_find_batch_size needs FSDPModule.reset_iter_state")
+ONE_PROCESS = ["fp16", "fp16_accumulated", "fp16_clipped", "fp32"] + (["oom_forward_everywhere"] if RETRIES else [])
 TWO_RANKS = ["fp16", "overflow", "resume", "eval_fp32", "eval_bf16", "eval_fp16", "eval_never"]
 # In a launch of their own, with a shorter timeout: a broken agreement hangs the ranks (until the meeting's timeout
 # on the rank that ran out of memory, then in the collectives of the scenarios after it).
@@ -128,6 +132,7 @@ def test_the_scaler_state_resumes_exactly(switches):
         (1, "oom_forward_everywhere", "forward or backward"),
     ],
 )
+@needs_retries
 def test_an_out_of_memory_error_makes_every_rank_retry_with_the_same_smaller_batch(oom, world, scenario, stage):
     found = oom[f"switches-{world}"][scenario]
     # from 2 rows per rank, Accelerate's retry takes int(2 * 0.9) = 1, on every rank, and the run goes on
@@ -138,6 +143,7 @@ def test_an_out_of_memory_error_makes_every_rank_retry_with_the_same_smaller_bat
         assert line in oom["log-2"]
 
 
+@needs_retries
 def test_an_out_of_memory_error_on_one_rank_inside_the_collectives_fails_instead_of_hanging(tmp_path, tiny):
     # Rank 1 alone fails in a forward: rank 0 waits in the next all-gather, which rank 1 never joins. Rank 1 gives up
     # at the meeting after its timeout (3 s here, 5 min by default) with the fix in its message; the launcher, as
@@ -168,6 +174,19 @@ def test_training_after_full_evaluation_equals_training_never_evaluated(switches
 
 
 # Liger needs a CUDA device: here only its refusals run (its kernels: the GPU check's part, when a GPU is lent).
+
+
+def test_auto_find_batch_size_is_refused_by_name_where_torch_cannot_reset_fsdps_step(monkeypatch):
+    """torch 2.11's FSDPModule has no reset_iter_state: a retried step would start from a half-finished one."""
+    from transformers import TrainingArguments
+
+    from hf_fsdp2.trainer.batch_size import check_batch_size_search
+
+    args = TrainingArguments("out", auto_find_batch_size=True, report_to=[], use_cpu=True)
+    monkeypatch.delattr(FSDPModule, "reset_iter_state", raising=False)
+    with pytest.raises(ValueError, match=r"auto_find_batch_size=True needs torch's FSDPModule.reset_iter_state"):
+        check_batch_size_search(args)
+    check_batch_size_search(TrainingArguments("out", report_to=[], use_cpu=True))  # off: nothing to refuse
 
 
 def test_liger_is_refused_by_name_on_a_machine_without_a_cuda_device():

@@ -18,7 +18,8 @@ _HONOURED = {
     "num_train_epochs": "Trainer's loop",
     "auto_find_batch_size": (
         "an out-of-memory error on any rank makes every rank retry with the same smaller batch, where every rank can "
-        "step back together (tests/test_switches.py; the limits: docs/troubleshooting.md)"
+        "step back together (tests/test_switches.py; the limits: docs/troubleshooting.md); refused on a torch without "
+        "FSDPModule.reset_iter_state (2.11)"
     ),
     "max_steps": "Trainer's loop (tests/test_parity.py)",
     "learning_rate": "the optimizer over the shards (hf_fsdp2.Muon: both its parts; tests/test_muon.py)",

@@ -55,6 +55,21 @@ _STAGES = ("forward or backward", "clipping or the optimizer step", "logging, sa
 _FORWARD_BACKWARD, _OPTIMIZER, _OUTSIDE = range(len(_STAGES))
 
 
+def check_batch_size_search(args: Any) -> None:
+    """Refuse auto_find_batch_size where torch cannot reset FSDP's iteration state after an error mid-step.
+
+    Raises:
+        ValueError: on a torch whose FSDPModule has no `reset_iter_state` (torch 2.11: after an out-of-memory error
+            mid forward, FSDP's state stays half-way and the retried step fails), naming the version and the fix.
+    """
+    if args.auto_find_batch_size and not hasattr(FSDPModule, "reset_iter_state"):
+        raise ValueError(
+            f"auto_find_batch_size=True needs torch's FSDPModule.reset_iter_state (torch 2.13 and later) to retry a "
+            f"step that ran out of memory; torch {torch.__version__} has none. Upgrade torch, or set "
+            "per_device_train_batch_size yourself (`hf-fsdp2 plan` estimates what fits)."
+        )
+
+
 class AgreedOutOfMemoryError(torch.OutOfMemoryError):
     """The out-of-memory error every rank raises together; Accelerate's retry recognises it (" out of memory.")."""
 

@@ -42,6 +42,7 @@ from ..model import prepare_model
 from ..sharding.liger import check_liger_machine, check_liger_model
 from ..sharding.units import reshard_all, select_units
 from .argument_verdicts import refuse_arguments
+from .batch_size import check_batch_size_search
 
 
 class ShardingMixin:
@@ -166,6 +167,7 @@ def validate_training_args(args: TrainingArguments, config: FSDP2Config) -> None
     GPU backend, and activations checkpointed twice (their FSDP settings were carried into FSDP2Config already:
     from_accelerate)."""
     refuse_arguments(args)
+    check_batch_size_search(args)
     if args.use_liger_kernel:
         check_liger_machine(get_device())
     if args.activation_checkpointing and config.fsdp_activation_checkpointing:
