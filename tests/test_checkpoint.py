@@ -76,7 +76,7 @@ def runs(tmp_path_factory, tiny) -> dict[str, str]:
         [
             resumed_from(out["to2"], out["reference"], "checkpoint-2", model=model),
             resumed_from(out["four_to2"], out["four"], "checkpoint-4", model=model),
-            ckpt_run(out["async"], "--async-save", model=model),
+            ckpt_run(out["async"], "--async-save", "--slow-staging", "0.5", model=model),
             resumed_from(out["async_resumed"], out["async"], "checkpoint-4", model=model),
             ckpt_run(out["direct"], "--async-save", "--checkpoint-writes", "direct", model=model),
             resumed_from(out["direct_resumed"], out["direct"], "checkpoint-4", model=model),
@@ -183,6 +183,50 @@ def test_async_save_trains_identically_and_resumes_exactly(runs):
     expected, got = losses_by_step(runs["reference"]), losses_by_step(runs["async_resumed"])
     for step in (5, 6):
         assert abs(got[step] - expected[step]) <= 1e-6
+
+
+def saved_tensors(folder: str, scratch: str) -> dict[str, object]:
+    """Every tensor of a DCP folder, whole, by flattened key (read in this process through a torch.save file)."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    path = os.path.join(scratch, "part.pt")
+    dcp_to_torch_save(folder, path)
+    flat: dict[str, object] = {}
+
+    def walk(value: object, key: str) -> None:
+        if isinstance(value, dict):
+            for name, inner in value.items():
+                walk(inner, f"{key}.{name}")
+        elif isinstance(value, list):
+            for index, inner in enumerate(value):
+                walk(inner, f"{key}.{index}")
+        elif isinstance(value, torch.Tensor):
+            flat[key] = value
+
+    walk(torch.load(path, weights_only=True), "")
+    os.remove(path)
+    return flat
+
+
+def test_async_checkpoints_hold_exactly_the_state_of_their_step(runs, tmp_path):
+    """The async run's host copies start 0.5 s late (`--slow-staging`), so the step after each save reaches its
+    optimizer step while the copy is pending: the trainer waits for it there (on_pre_optimizer_step), and every
+    checkpoint equals the sync reference run's of the same step, tensor for tensor (the model's and AdamW's state).
+
+    Planted break it caught: no wait before the optimizer step (the callback left out): checkpoint-2 and checkpoint-4
+    held the following step's weights and optimizer state.
+    """
+    import torch
+
+    for step in (2, 4, 6):
+        for part in ("pytorch_model_fsdp_0", "optimizer_0"):
+            name = os.path.join(f"checkpoint-{step}", part)
+            ours = saved_tensors(os.path.join(runs["async"], "run", name), str(tmp_path))
+            theirs = saved_tensors(os.path.join(runs["reference"], "run", name), str(tmp_path))
+            assert ours.keys() == theirs.keys() and len(ours) > 0, name
+            different = [key for key in ours if not torch.equal(ours[key], theirs[key])]
+            assert different == [], (name, different[:5])
 
 
 def test_direct_checkpoint_writes_resume_exactly(runs):
@@ -346,22 +390,26 @@ def test_the_parts_of_a_sync_save_are_written_at_once_and_a_failure_in_either_is
     assert failed.value.failures == {0: disk_full} and done[-1] == "optim again"
 
 
-@pytest.mark.parametrize("stager", ["torch", "self-closing"], ids=["this-torch", "torch-2.11-stager"])
-def test_every_async_save_of_a_run_holds_exactly_its_state(tmp_path, stager):
-    """Three async saves through one PartSavers, the weights changing while each is written, read back exactly.
+def test_every_async_save_of_a_run_holds_exactly_its_state_and_reuses_its_host_buffers(tmp_path):
+    """Three async saves through one PartSavers, each followed by the next step while the state is copied to host
+    memory (the copy made slower than the forward and backward), the wait for the copy, and the optimizer step while
+    the save is written: each checkpoint reads back exactly (weights, AdamW's state, and BatchNorm's statistics, which
+    that forward changed), and the 2nd and 3rd copies went into the 1st's host buffers.
 
-    The second save is the one torch 2.11's stager broke (it closes itself after staging); the self-closing case
-    plays that stager on whichever torch runs the suite.
+    Planted breaks it caught: `wait_for_staging` returning without waiting (saves held the next step's weights and
+    AdamW state); BatchNorm's buffers copied live instead of snapshotted (saves held the next forward's statistics);
+    a fresh copier at each save, as torch 2.11's DefaultStager amounts to (buffers_reused [None, False, False]).
+    Passes on torch 2.11, 2.13 and 2.15.
     """
-    flags = ["--self-closing-stager"] if stager == "self-closing" else []
-    run("async_save_worker.py", 2, "--out", str(tmp_path), *flags)
+    run("async_save_worker.py", 2, "--out", str(tmp_path), "--slow-staging", "0.5")
     for rank in (0, 1):
         with open(os.path.join(tmp_path, f"rank{rank}.json")) as f:
             result = json.load(f)
         assert result["mismatched"] == [], result["mismatched"]
-        assert result["compared"] == 3 * 16  # per save: 4 weights and biases; AdamW's step, exp_avg, exp_avg_sq each
-        if stager == "self-closing":
-            assert result["reuses_stagers"] is False
+        # per save: 9 model tensors (2 linears' weight and bias; BatchNorm's weight, bias and 3 buffers), and AdamW's
+        # step, exp_avg and exp_avg_sq of each of the 6 parameters
+        assert result["compared"] == 3 * (9 + 18)
+        assert result["buffers_reused"] == [None, True, True]
 
 
 def test_a_full_state_file_of_another_shape_is_refused_naming_the_tensor_before_any_is_copied(tmp_path):

@@ -7,6 +7,9 @@ It decides when and what is written; the DCP files are `checkpoints.sharded_save
   (tests/test_checkpoint.py). It reuses `_save_rng_state`, `_save_scaler` (fp16's `scaler.pt`, read back by Trainer's
   `_load_scaler`; tests/test_switches.py resume), `store_flos` and `_get_output_dir`.
 - `_finalize_training`: waits for a pending asynchronous save before training ends.
+An asynchronous save copies the state to host memory in the background while training goes on; the callback
+`on_pre_optimizer_step` (Trainer's own event, right before `optimizer.step()`) waits for that copy, so the step never
+changes what is being copied (tests/test_checkpoint.py: async checkpoints equal the sync run's, with a slow copy).
 - `save_model`: writes a from_pretrained-ready folder, gathering one tensor at a time (a PEFT model: its
   adapter folder, or the merged model with `merge_adapters_on_save`).
 - `_save` (a subclass's own, such as sentence-transformers'): `save_model` and the end-of-training export of a model
@@ -19,13 +22,14 @@ trainable parameters (tests/test_lora.py).
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME, TRAINING_ARGS_NAME
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
@@ -37,6 +41,7 @@ from ..checkpoints.sharded_save import (
     begin_checkpoint,
     commit_checkpoint,
     sharded_parts,
+    wait_for_staging,
     wait_for_writes,
     write_parts,
 )
@@ -58,6 +63,20 @@ class PendingSave(NamedTuple):
     error: BaseException | None  # a failure already seen while starting the save
 
 
+class StagingWaitCallback(TrainerCallback):
+    """Right before each optimizer step, wait for the host copy of a pending asynchronous save (the step would change
+    the parameters and optimizer state being copied). Holds its trainer weakly and looks its `_wait_for_staging` up at
+    each call."""
+
+    def __init__(self, trainer: Any) -> None:
+        self._trainer = weakref.ref(trainer)
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        trainer = self._trainer()
+        if trainer is not None:
+            trainer._wait_for_staging()
+
+
 class CheckpointMixin:
     """`FSDP2Mixin`'s saves: checkpoint-N (synchronous or asynchronous) and the exported model folder. Owns the save
     process groups and host buffers (`_savers`) and the save still being written (`_pending_save`); reads
@@ -66,7 +85,9 @@ class CheckpointMixin:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._savers: PartSavers | None = None
         self._pending_save: PendingSave | None = None
+        self._unstaged: list[Any] = []  # the pending save's parts whose host copy may still run
         super().__init__(*args, **kwargs)
+        self.add_callback(StagingWaitCallback(self))
         config = self.fsdp2_config
         if config.consolidate_on_train_end and not any(
             isinstance(c, ConsolidateCallback) for c in self.callback_handler.callbacks
@@ -115,8 +136,18 @@ class CheckpointMixin:
                 error = wait_for_writes(pending) or error
             raise_if_write_failed(error, final, staging, need)
         self._pending_save = PendingSave(pending, staging, final, run_dir, need, error)
+        self._unstaged = pending
         if not pending:
             self._wait_for_pending_save()
+
+    def _wait_for_staging(self) -> None:
+        """Wait until the pending asynchronous save's host copy is complete (before the optimizer changes the state).
+
+        A failed copy is not raised here, on this rank alone: its writes fail with it, and the next save or the end of
+        training raises that on every rank (`_wait_for_pending_save`).
+        """
+        unstaged, self._unstaged = self._unstaged, []
+        wait_for_staging(unstaged)
 
     def _checkpoint_folder(self, trial: Any) -> str:
         """checkpoint-N of this step, in the run's output folder."""
@@ -162,7 +193,7 @@ class CheckpointMixin:
         if self._pending_save is None:
             return
         pending, staging, final, run_dir, need, error = self._pending_save
-        self._pending_save = None
+        self._pending_save, self._unstaged = None, []
         error = error or wait_for_writes(pending)
         raise_if_write_failed(error, final, staging, need)  # NOTE: collective: one clear error on every rank
         commit_checkpoint(staging, final)

@@ -188,6 +188,21 @@ def _timed(record: list[float], method: Callable[..., Any]) -> Callable[..., Any
     return wrapper
 
 
+def _billed_to_last_save(record: list[float], trainer: Any) -> Callable[[], None]:
+    """hf_fsdp2's wait for an async save's host copy (right before the next optimizer step), its seconds added to
+    that save's blocked time: the save call returns before the copy ends."""
+    wait = trainer._wait_for_staging
+
+    def wrapper() -> None:
+        if not trainer._unstaged or not record:
+            return wait()
+        start = time.perf_counter()
+        wait()
+        record[-1] += time.perf_counter() - start
+
+    return wrapper
+
+
 def folder_bytes(path: str) -> int:
     """Bytes of every file under `path`."""
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
@@ -220,6 +235,8 @@ def train_worker(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     trainer = build_trainer(args.system, args, data, [make_probe(baseline, start, record)], resume=False)
     trainer._save_checkpoint = _timed(record["save_s"], trainer._save_checkpoint)
+    if hasattr(trainer, "_wait_for_staging"):
+        trainer._wait_for_staging = _billed_to_last_save(record["save_s"], trainer)
     watcher = getattr(trainer, "_preemption", None)
     if watcher is not None:  # hf_fsdp2's per-step preemption check (an all-reduce of one integer)
         watcher.agreed_stop = _timed(record["signal_check_s"], watcher.agreed_stop)

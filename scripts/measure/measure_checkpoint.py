@@ -68,6 +68,16 @@ def train_worker(args: argparse.Namespace) -> None:
         blocked.append(time.perf_counter() - start)
 
     trainer._save_checkpoint = timed
+    wait_for_staging = trainer._wait_for_staging
+
+    def timed_wait() -> None:  # an async save's host copy, waited for before the next optimizer step: still blocked
+        start = time.perf_counter()
+        pending = bool(trainer._unstaged)
+        wait_for_staging()
+        if pending and blocked:
+            blocked[-1] += time.perf_counter() - start
+
+    trainer._wait_for_staging = timed_wait
     start = time.perf_counter()
     trainer.train()
     total = time.perf_counter() - start

@@ -110,6 +110,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step takes at least")
     p.add_argument("--fill-disk-at-save", type=int, default=0, help="fill the run dir's file system in save N")
     p.add_argument("--export-to", default=None, help="trainer.save_model(this folder) after training")
+    p.add_argument("--slow-staging", type=float, default=0.0, help="each async save's host copy starts this late")
     return p.parse_args(argv)
 
 
@@ -149,6 +150,27 @@ def fill_disk_at_save(nth: int, out: str) -> None:
         return need
 
     trainer_module.check_room = check_then_fill
+
+
+@contextlib.contextmanager
+def slow_staging(seconds: float):
+    """Each asynchronous save's host copy starts `seconds` late (in its background thread), so the step after the save
+    reaches its optimizer step first, where the trainer must wait for the copy."""
+    import time
+
+    from hf_fsdp2.checkpoints.sharded_save import HostStager
+
+    copy = HostStager._copy
+
+    def late(self, *args):
+        time.sleep(seconds)
+        return copy(self, *args)
+
+    HostStager._copy = late if seconds else copy
+    try:
+        yield
+    finally:
+        HostStager._copy = copy
 
 
 def kill_inside_save(nth: int) -> None:
@@ -323,7 +345,7 @@ def train(argv: list[str]) -> None:
     if args.evaluate_first:
         result["eval_before"] = trainer.evaluate()["eval_loss"]
     resume = True if args.resume == "last" else args.resume
-    with _counting_collectives() as calls:
+    with _counting_collectives() as calls, slow_staging(args.slow_staging):
         trainer.train(resume_from_checkpoint=resume)
     if args.export_to:
         trainer.save_model(args.export_to)
