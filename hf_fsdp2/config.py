@@ -243,6 +243,17 @@ class FSDP2Config:
             "CPU group; see the benchmark for its cost). A signal is acted on at the next check."
         },
     )
+    float8: bool = field(
+        default=False,
+        metadata={
+            "help": "Train the Linear layers through FP8 matmuls (torchao's float8, tensorwise scales): each rank "
+            "casts its shard of a weight to FP8 and FSDP2 all-gathers the FP8 bytes; the masters, optimizer and "
+            "checkpoints stay as without it. Layers too small for FP8 to pay (torchao's filter) and the head compute "
+            "in bf16 as without it. Needs TrainingArguments(bf16=True), a GPU with FP8 tensor cores (compute "
+            "capability 8.9+: L4, L40S, H100, H200, B200) and torchao; refused on the CPU, with cpu_offload, an NF4 "
+            "base or a PEFT model. Pair it with compile=True (torchao's casts are fused only when compiled)."
+        },
+    )
 
     def __post_init__(self) -> None:
         """Normalize CLI strings and reject bad values before any collective runs."""
@@ -271,6 +282,18 @@ class FSDP2Config:
         if self.base_quantization not in (None, "nf4"):
             raise ValueError(
                 f"base_quantization={self.base_quantization!r} is not supported; use 'nf4' (QLoRA) or leave it None."
+            )
+        if self.float8 and self.base_quantization == "nf4":
+            raise ValueError(
+                "float8=True with base_quantization='nf4': the frozen base is stored in 4 bits, float8 trains "
+                "full-precision weights through FP8 matmuls. Choose one: QLoRA without float8, or a full fine-tune "
+                "with it."
+            )
+        if self.float8 and self.cpu_offload:
+            raise ValueError(
+                "float8=True with cpu_offload=True is not supported: FSDP2 would copy each host shard to the GPU and "
+                "torchao would cast it to FP8 there at every all-gather, one amax all-reduce per weight, a combination "
+                "no test or GPU run here has covered. Use one of the two."
             )
         if self.min_num_params < 1:
             raise ValueError(f"min_num_params={self.min_num_params} must be >= 1 (a parameter count).")

@@ -27,6 +27,7 @@ from .loading.facts import ModelFacts, describe, facts_of
 from .loading.weights import load_pretrained
 from .meshes import build_mesh
 from .sharding.collective_methods import attach_collective_methods
+from .sharding.float8 import check_float8_machine, convert_float8, refresh_float8_scales
 from .sharding.units import (
     mixed_precision_policy,
     original_class,
@@ -51,6 +52,7 @@ _SHARDING_FIELDS = (
     "hsdp_replicate_size",
     "branch_modules",
     "base_quantization",
+    "float8",
 )
 
 
@@ -67,8 +69,9 @@ def prepare_model(
     it was sharded the same way; otherwise ValueError names what differs.
 
     Raises:
-        ValueError: when cpu_offload=True without an accelerator, the config is invalid or differs across
-            ranks, or `model` was already sharded another way.
+        ValueError: when cpu_offload=True without an accelerator, float8=True without FP8 tensor cores or on a
+            model it does not handle, the config is invalid or differs across ranks, or `model` was already sharded
+            another way.
     """
     init_distributed()
     check_same_on_all_ranks("FSDP2Config", config.to_summary())
@@ -81,13 +84,18 @@ def prepare_model(
             "cpu_offload=True moves shards from an accelerator to host memory, but this machine has no "
             "accelerator (parameters already live in host memory); remove cpu_offload."
         )
+    if config.float8:
+        check_float8_machine(get_device())
     _refuse_bitsandbytes(model)
     vetted = facts is not None  # NOTE: a caller that described the model has checked its PEFT methods (one check)
     facts = describe(model, facts)
     if facts.is_peft and not vetted:
         check_supported(model)
     mesh = build_mesh(config.hsdp_replicate_size)
-    if config.base_quantization == "nf4" or (facts.source is not None and facts.source.quantization == "nf4"):
+    nf4 = config.base_quantization == "nf4" or (facts.source is not None and facts.source.quantization == "nf4")
+    if config.float8:
+        convert_float8(model, facts.is_peft, nf4, policy)  # NOTE: before the units: a unit may be a Linear it swaps
+    if nf4:
         quantize_base(model, mesh.size(mesh.ndim - 1))
     units = select_units(model, config)
 
@@ -97,6 +105,8 @@ def prepare_model(
 
     model = load_pretrained(model, shard, offload=config.cpu_offload)
     reduce_scalar_gradients(model)
+    if config.float8:
+        refresh_float8_scales(model)
     attach_branch_guard(model, branch_names(model, facts.branches[0], config.branch_modules), facts.branches[1])
     attach_collective_methods(model, save_pretrained_sharded, gather_for_generate=config.gather_for_generate)
     report_own_class_names(model)
@@ -239,6 +249,11 @@ def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float) -> torch.Ten
     )
     if math.isfinite(max_norm):
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        if coef.device.type == "cpu" and float(coef) == 1.0:
+            # NOTE: g * 1.0 == g exactly. Gradients on the host (CPU training, cpu_offload) skip a pass that reads and
+            # writes every one of them, measured at about half of AdamW's fused step over the same shards; on an
+            # accelerator the test would wait for the device, so the multiply runs.
+            return total
         for grad in grads:
             local = grad.to_local() if isinstance(grad, DTensor) else grad
             local.mul_(coef.to(local.device, local.dtype))

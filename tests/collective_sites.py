@@ -58,6 +58,8 @@ CALLEES: dict[str, frozenset[str]] = {
         "get_model_state_dict", "get_optimizer_state_dict", "get_state_dict", "set_model_state_dict",
         "set_optimizer_state_dict", "set_state_dict",
     }),
+    # torchao's float8: one all-reduce of every FP8 weight's amax (DTensor ops over the weights' mesh).
+    "torchao.float8": frozenset({"precompute_float8_dynamic_scale_for_fsdp"}),
 }  # fmt: skip
 # Methods that communicate, whatever object they are called on: DTensor's, and an FSDP unit's all-gather.
 METHODS = frozenset({"full_tensor", "redistribute", "unshard"})
@@ -264,5 +266,6 @@ MANIFEST: dict[str, str] = {
     "hf_fsdp2/sharding/collective_methods.py::all_ranks_join::monitored_barrier": REACHED,
     "hf_fsdp2/sharding/gathering.py::gathered::unshard": REACHED,
     "hf_fsdp2/sharding/units.py::reduce_scalar_gradients.average::all_reduce": REACHED,
+    "hf_fsdp2/sharding/float8.py::refresh_float8_scales.refresh::precompute_float8_dynamic_scale_for_fsdp": REACHED,
     "hf_fsdp2/trainer/router_loss.py::global_router_loss::all_reduce": REACHED,
 }

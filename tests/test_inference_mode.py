@@ -47,6 +47,18 @@ def test_switch_scores_exactly_and_training_goes_on(runs, world):
 
 
 @pytest.mark.parametrize("world", ["1", "2"])
+def test_compiled_units_keep_the_switch_out_of_their_graphs(runs, world):
+    """FSDP2Config(compile=True) compiles each unit with its hooks: the switch runs eagerly, as FSDP2's own hooks do,
+    so no block's graph breaks on it (it did: torch.is_inference_mode_enabled() cannot be traced), and a compiled unit
+    called first under inference mode still leaves it."""
+    result = runs[world]["compiled"]
+    assert "error" not in result, result
+    assert result["graph_breaks"] == {}
+    assert result["still_inference_mode"] and result["max_diff"] == 0.0
+    assert result["grad_norm"] == pytest.approx(result["expected_grad_norm"], rel=1e-6)
+
+
+@pytest.mark.parametrize("world", ["1", "2"])
 def test_gathered_under_inference_mode(runs, world):
     result = runs[world]["gathered"]
     assert result == {"max_diff": 0.0, "trained": True}

@@ -50,6 +50,14 @@ def allow_inference_mode(model: nn.Module) -> None:
             module.register_forward_hook(_leave, always_call=True)
 
 
+# NOTE: both hooks run inside a compiled unit's `_call_impl` (FSDP2Config(compile=True) compiles each block with its
+# hooks). Traced, `torch.is_inference_mode_enabled()` is a graph break in every block (dynamo cannot trace it); left
+# out of tracing they run eagerly, as FSDP2's own hooks around them are (torch's `_dynamo_disable`): no graph breaks
+# (tests/test_inference_mode.py compiled scenario), and a compiled unit still leaves inference mode.
+_NOT_TRACED = {"recursive": True, "reason": "hf_fsdp2's inference-mode switch runs eagerly, as FSDP2's hooks do"}
+
+
+@torch.compiler.disable(**_NOT_TRACED)
 def _enter(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Leave inference mode for this forward (a no-op when it is off or an outer unit already left it)."""
     stack = contextlib.ExitStack()
@@ -60,6 +68,7 @@ def _enter(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     return tuple(_ordinary(a) for a in args), {k: _ordinary(v) for k, v in kwargs.items()}
 
 
+@torch.compiler.disable(**_NOT_TRACED)
 def _leave(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
     """Restore the mode the caller had, after FSDP2's post-forward ran."""
     stack = getattr(module, _STACK)

@@ -18,7 +18,8 @@ parts' (`sharding`, `checkpointing`). Every private Trainer hook it touches:
   passed in `optimizers`) is made exact on shards in place: torch.optim.Muon and transformers' Adafactor become
   their shard-exact twins, bitsandbytes' step each rank's local shard (tests/test_muon.py, tests/test_optimizers.py).
   `hf_fsdp2.Muon` given as `optimizer_cls_and_kwargs` is called with the TrainingArguments and Trainer's
-  `get_decay_parameter_names` too (Trainer passes a factory the model alone; tests/test_muon.py).
+  `get_decay_parameter_names` too (Trainer passes a factory the model alone; tests/test_muon.py). Under cpu_offload an
+  Adam or AdamW that is not fused is named in a warning: it steps on the host (`optim.verdicts.slow_host_step`).
 """
 
 from __future__ import annotations
@@ -34,14 +35,14 @@ import torch
 from torch import nn
 from transformers import Trainer
 
-from ..distributed import log_rank0
+from ..distributed import log_rank0, warn_rank0
 from ..loading.branches import guard_optimizer
 from ..loading.facts import forward_source, unwrap_peft
 from ..long_rows.chunked_loss import chunked_loss, log_unchunked, why_not_chunked
 from ..long_rows.ulysses_attention import ulysses
 from ..model import clip_grad_norm
 from ..optim.muon_routing import Muon
-from ..optim.verdicts import adapt_optimizer, check_optim
+from ..optim.verdicts import adapt_optimizer, check_optim, slow_host_step
 from ..sharding.units import reshard_all
 from .router_loss import correct_router_loss, router_config
 
@@ -165,6 +166,9 @@ class StepMixin:
         optimizer = super().create_optimizer(model)
         adapt_optimizer(unwrap_optimizer(optimizer))
         guard_optimizer(self.model, unwrap_optimizer(optimizer))
+        slow = slow_host_step(unwrap_optimizer(optimizer)) if self.fsdp2_config.cpu_offload else None
+        if slow is not None:
+            warn_rank0(slow)
         return optimizer
 
 

@@ -33,6 +33,7 @@ GROUPS = {
         "cpu_offload",
         "fsdp_activation_checkpointing",
         "compile",
+        "float8",
     ],
     "The training step: long rows, gradients, generation": [
         "loss_chunk_size",

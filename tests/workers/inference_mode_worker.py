@@ -24,12 +24,17 @@ WORLD = int(os.environ.get("WORLD_SIZE", "1"))
 INPUTS = torch.arange(24, dtype=torch.float32).reshape(3, 8) / 24
 
 
-def model(switch: bool, bf16: bool = False) -> tuple[nn.Module, nn.Module]:
-    """A sharded model (units + root, as sharding.shard_model does) and its unsharded twin (same weights)."""
+def model(switch: bool, bf16: bool = False, compiled: bool = False) -> tuple[nn.Module, nn.Module]:
+    """A sharded model (units + root, as sharding.shard_model does) and its unsharded twin (same weights); `compiled`:
+    both units compiled before sharding, as FSDP2Config(compile=True) compiles (dynamo's eager backend: tracing is
+    what is checked)."""
     torch.manual_seed(0)
     whole = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
     sharded = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
     sharded.load_state_dict(whole.state_dict())
+    if compiled:
+        sharded[0].compile(backend="eager")
+        sharded.compile(backend="eager")
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None)
     fully_shard(sharded[0], mp_policy=policy)
     fully_shard(sharded, mp_policy=policy)
@@ -38,9 +43,9 @@ def model(switch: bool, bf16: bool = False) -> tuple[nn.Module, nn.Module]:
     return sharded, whole
 
 
-def first_forward_in_inference_mode(switch: bool, bf16: bool = False) -> dict[str, Any]:
+def first_forward_in_inference_mode(switch: bool, bf16: bool = False, compiled: bool = False) -> dict[str, Any]:
     """Score twice under inference mode (inputs made there too), then one training forward and backward."""
-    sharded, whole = model(switch, bf16)
+    sharded, whole = model(switch, bf16, compiled)
     result: dict[str, Any] = {}
     try:
         with torch.inference_mode():
@@ -58,6 +63,15 @@ def first_forward_in_inference_mode(switch: bool, bf16: bool = False) -> dict[st
     return result
 
 
+def compiled_in_inference_mode() -> dict[str, Any]:
+    """Compiled units with the switch: the same scores and training, and dynamo's graph breaks over all of it."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    result = first_forward_in_inference_mode(switch=True, compiled=True)
+    return {**result, "graph_breaks": {reason.splitlines()[0]: n for reason, n in counters["graph_break"].items()}}
+
+
 def gathered_in_inference_mode() -> dict[str, Any]:
     """`hf_fsdp2.gathered` entered under inference mode, then a training step."""
     sharded, whole = model(switch=True)
@@ -71,6 +85,7 @@ SCENARIOS = {
     "without_switch": lambda: first_forward_in_inference_mode(switch=False),
     "with_switch": lambda: first_forward_in_inference_mode(switch=True),
     "with_switch_bf16": lambda: first_forward_in_inference_mode(switch=True, bf16=True),
+    "compiled": compiled_in_inference_mode,
     "gathered": gathered_in_inference_mode,
 }
 

@@ -1,15 +1,18 @@
-"""Part "build": both models saved once (random weights, seeded), and the machine described."""
+"""Part "build": the models saved once (random weights, seeded), and the machine described."""
 
 from __future__ import annotations
 
 import os
 import time
+from importlib.metadata import version
+from importlib.util import find_spec
 
 from gpu_parts.common import dry_run, model_path, sizes
 
 
 def build(spec: dict) -> dict:
-    """Save both models once (random weights, seeded), and describe the machine."""
+    """Save the models the chosen parts train (`spec["models"]`) once (random weights, seeded), and describe the
+    machine."""
     import torch
     import transformers
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -17,7 +20,7 @@ def build(spec: dict) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     described = {}
     for name, shape in sizes(dry_run()).items():
-        if name == "run":
+        if name not in spec.get("models", ("m100", "m1b")):
             continue
         config = LlamaConfig(
             vocab_size=shape["vocab"], hidden_size=shape["hidden"], intermediate_size=shape["inter"],
@@ -40,6 +43,9 @@ def build(spec: dict) -> dict:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "transformers": transformers.__version__,
+        "accelerate": version("accelerate"),
+        "torchao": version("torchao") if find_spec("torchao") else None,
+        "capability": ".".join(map(str, torch.cuda.get_device_capability(0))) if gpu else None,
         "attention": "sdpa",
         "models": described,
         "date": time.strftime("%Y-%m-%d"),

@@ -5,10 +5,12 @@ from __future__ import annotations
 from gpu_parts.checkpoints import checkpoint_table
 from gpu_parts.collectives import collectives_table
 from gpu_parts.cuda_tests import cuda_tests_table
+from gpu_parts.fp8 import fp8_table
 from gpu_parts.generation import generation_table
+from gpu_parts.offload import offload_table
 from gpu_parts.planner import planner_table
 from gpu_parts.switches import switches_table
-from gpu_parts.training import parity_table, simple_table, throughput_table
+from gpu_parts.training import compile_table, parity_table, simple_table, throughput_table
 from gpu_parts.two_ranks import two_ranks_table
 
 
@@ -36,9 +38,11 @@ def render_markdown(results: dict) -> str:
     lines += switches_table(parts)
     lines += parity_table(parts.get("parity", {}))
     lines += throughput_table(parts, env)
+    lines += compile_table(parts, env)
+    lines += fp8_table(parts, env)
     lines += simple_table(parts, "qlora", ["load_peak_mib", "train_peak_mib", "step_median_s", "tokens_per_s"])
     lines += simple_table(parts, "long_rows", ["train_peak_mib", "step_median_s", "tokens_per_s"])
-    lines += simple_table(parts, "offload", ["train_peak_mib", "step_median_s", "tokens_per_s"])
+    lines += offload_table(parts)
     lines += generation_table(parts.get("generation", {}))
     lines += checkpoint_table(parts.get("checkpoints", {}))
     lines += planner_table(parts.get("planner", {}))

@@ -1,5 +1,8 @@
-"""Parts "parity", "throughput", "compile", "qlora", "long_rows", "offload": one training run per spec, with
-FSDP2Trainer, plain Trainer or Trainer + Accelerate's FSDP2 plugin, and their tables."""
+"""Parts "parity", "throughput", "compile", "qlora", "long_rows" (and the runs of "fp8" and "offload"): one training
+run per spec, with FSDP2Trainer, plain Trainer or Trainer + Accelerate's FSDP2 plugin, and their tables.
+
+A spec's `compile` is each system's own switch: FSDP2Config(compile=True) for ours (each block compiled, then
+sharded), TrainingArguments(torch_compile=True) for the others (Trainer and Accelerate compile the whole model)."""
 
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ def hf_fsdp2_trainer(spec: dict, data: Any, out: str, callbacks: list, **config:
 
     config |= dict(consolidate_on_train_end=False, fsdp_activation_checkpointing=spec.get("ac", False))
     config |= dict(compile=spec.get("compile", False), cpu_offload=spec.get("offload", False))
-    config |= dict(loss_chunk_size=spec.get("chunk"))
+    config |= dict(loss_chunk_size=spec.get("chunk"), float8=spec.get("float8", False))
     fsdp2_config = hf_fsdp2.FSDP2Config(**config)
     args = training_arguments(spec, out)
     model: Any = model_path(spec["model"])
@@ -50,25 +53,43 @@ def plain_trainer(spec: dict, data: Any, out: str, callbacks: list) -> Any:
     from transformers import AutoModelForCausalLM, Trainer
 
     model = AutoModelForCausalLM.from_pretrained(model_path(spec["model"]), dtype=torch.float32)
-    args = training_arguments(spec, out, gradient_checkpointing=spec.get("ac", False))
+    args = training_arguments(
+        spec, out, gradient_checkpointing=spec.get("ac", False), torch_compile=spec.get("compile", False)
+    )
     return Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks)
 
 
 def accelerate_trainer(spec: dict, data: Any, out: str, callbacks: list) -> Any:
-    """Trainer + Accelerate's FSDP2 plugin (the benchmark's configuration), activation checkpointing as asked."""
+    """Trainer + Accelerate's FSDP2 plugin (the benchmark's configuration), activation checkpointing as asked; with
+    `fp8`, Accelerate's FP8 through torchao (`accelerate_fp8`)."""
     import torch
     from benchmark_systems import AccelerateFSDP2Trainer
     from transformers import AutoModelForCausalLM
 
     fsdp_config = {
-        "version": 2, "state_dict_type": "SHARDED_STATE_DICT", "cpu_ram_efficient_loading": True,
+        "version": 2, "state_dict_type": "SHARDED_STATE_DICT", "cpu_ram_efficient_loading": not spec.get("fp8"),
         "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"], "reshard_after_forward": True,
         "activation_checkpointing": spec.get("ac", False),
     }  # fmt: skip
-    args = training_arguments(spec, out, fsdp=True, fsdp_config=fsdp_config)
+    args = training_arguments(spec, out, fsdp=True, fsdp_config=fsdp_config, torch_compile=spec.get("compile", False))
     os.environ["ACCELERATE_USE_FSDP"] = "true"
     model = AutoModelForCausalLM.from_pretrained(model_path(spec["model"]), dtype=torch.float32)
-    return AccelerateFSDP2Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks)
+    trainer_class = accelerate_fp8(AccelerateFSDP2Trainer) if spec.get("fp8") else AccelerateFSDP2Trainer
+    return trainer_class(model=model, args=args, train_dataset=data, callbacks=callbacks)
+
+
+def accelerate_fp8(base: type) -> type:
+    """Trainer + Accelerate's FSDP2 plugin with Accelerate's own FP8: `mixed_precision="fp8"` and its torchao recipe
+    (`AORecipeKwargs()`: its defaults, FP8 all-gather on, every Linear but the first and the last converted), which
+    Trainer has no argument for. Accelerate refuses its torchao FP8 with RAM-efficient loading, so that is off."""
+    from accelerate.utils import AORecipeKwargs
+
+    class AccelerateFP8Trainer(base):
+        def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
+            args = super()._build_accelerator_args(**kwargs)
+            return {**args, "mixed_precision": "fp8", "kwargs_handlers": [*args["kwargs_handlers"], AORecipeKwargs()]}
+
+    return AccelerateFP8Trainer
 
 
 def probe(record: dict, start: float, baseline: float) -> Any:
@@ -106,9 +127,9 @@ def probe(record: dict, start: float, baseline: float) -> Any:
 BUILDERS = {"hf_fsdp2": hf_fsdp2_trainer, "trainer": plain_trainer, "accelerate": accelerate_trainer}
 
 
-def train(spec: dict, callbacks: tuple[Any, ...] = ()) -> dict:
+def train(spec: dict, callbacks: tuple[Any, ...] = (), built: Any = None) -> dict:
     """Load and train one configuration; load time and peak, step times, losses, training peak, tokens/s (a part's
-    own `callbacks` record more)."""
+    own `callbacks` record more; `built`, if given, is called with the trainer before it trains)."""
     import statistics
 
     from transformers import AutoConfig
@@ -120,6 +141,8 @@ def train(spec: dict, callbacks: tuple[Any, ...] = ()) -> dict:
     baseline = reset_memory_mark()
     probes = [probe(record, time.perf_counter(), baseline), *callbacks]
     trainer = BUILDERS[spec.get("system", "hf_fsdp2")](spec, data, out, probes)
+    if built is not None:
+        built(trainer)
     trainer.train()
     record["train_peak_mib"] = round(memory_mark() - baseline, 1)
     timed = record["step_s"][spec["warmup"] :] or record["step_s"]
@@ -170,12 +193,45 @@ def throughput_table(parts: dict, env: dict) -> list[str]:
     lines = ["", "| 1B, 4 x 2048 tokens, bf16 | tokens/s | MFU | peak allocated |", "|---|---:|---:|---:|"]
     for part in ("throughput", "compile", "offload"):
         for name, run in parts.get(part, {}).get("runs", {}).items():
+            if part == "compile" and compile_table(parts, env):
+                continue  # the peers' compiled runs are there: in that table, with ratios
+            if part == "offload" and not run.get("spec", {}).get("offload"):
+                continue  # the part's on-GPU reference and its host AdamW timings have tables of their own
             if not run_ok(run):
                 lines.append(f"| {name} | failed: {run['error'][:80]} | | |")
                 continue
             share = mfu(run, env)
             mfu_text = f"{share:.1%}" if share is not None else "n/a"
             lines.append(f"| {name} | {run['tokens_per_s']:,.0f} | {mfu_text} | {run['train_peak_mib']:,.0f} MiB |")
+    return lines
+
+
+def compile_table(parts: dict, env: dict) -> list[str]:
+    """Each system compiled with its own switch, side by side: tokens/s, MFU, peak, the speed-up over its own eager
+    run (part throughput), and ours over it. None when part compile has no peer's run (records before issue 63)."""
+    runs = parts.get("compile", {}).get("runs", {})
+    if not any(name != "hf_fsdp2 compile" for name in runs):
+        return []
+    eager = parts.get("throughput", {}).get("runs", {})
+    ours = runs.get("hf_fsdp2 compile", {})
+    lines = [
+        "",
+        "| compiled, side by side (1B, 4 x 2048 tokens, bf16) | tokens/s | MFU | peak allocated | ÷ its eager run "
+        "| hf_fsdp2 compile ÷ this |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for name, run in runs.items():
+        if not run_ok(run):
+            lines.append(f"| {name} | failed: {run['error'][:80]} | | | | |")
+            continue
+        share = mfu(run, env)
+        base = eager.get(name.removesuffix(" compile"), {})
+        speedup = f"{run['tokens_per_s'] / base['tokens_per_s']:.2f}×" if "tokens_per_s" in base else "n/a"
+        ratio = f"{ours['tokens_per_s'] / run['tokens_per_s']:.3f}×" if "tokens_per_s" in ours else "n/a"
+        lines.append(
+            f"| {name} | {run['tokens_per_s']:,.0f} | {f'{share:.1%}' if share is not None else 'n/a'} | "
+            f"{run['train_peak_mib']:,.0f} MiB | {speedup} | {ratio} |"
+        )
     return lines
 
 
