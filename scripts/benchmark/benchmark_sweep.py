@@ -43,6 +43,7 @@ import shutil
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 SCRIPTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(SCRIPTS, "benchmark"), os.path.join(SCRIPTS, "common")]
@@ -124,20 +125,7 @@ def measure_bandwidth(directory: str, nbytes: int = 1 << 30) -> dict[str, float]
     path = os.path.join(directory, "bandwidth.bin")
     block = os.urandom(1 << 24)  # incompressible, 16 MiB written again and again
     nbytes = max(nbytes // len(block), 1) * len(block)
-    start = time.perf_counter()
-    with open(path, "wb") as f:
-        for _ in range(nbytes // len(block)):
-            f.write(block)
-        f.flush()
-        os.fsync(f.fileno())
-    buffered = nbytes / (time.perf_counter() - start)
-    buffer = bytearray(len(block))
-    start = time.perf_counter()
-    with open(path, "rb", buffering=0) as f:
-        while f.readinto(buffer):
-            pass
-    read = nbytes / (time.perf_counter() - start)
-    os.remove(path)
+    buffered, read = write_then_read(path, block, nbytes)
     direct = direct_write_rate(path, block, nbytes)
     source = torch.empty(min(nbytes, 1 << 30) // 4, dtype=torch.float32).fill_(1.0)  # a rate: 1 GiB shows it
     target = torch.empty_like(source)
@@ -148,6 +136,30 @@ def measure_bandwidth(directory: str, nbytes: int = 1 << 30) -> dict[str, float]
     if direct is not None:
         rates["disk_write_direct"] = direct
     return {**rates, "cached_read": read, "memory_copy": copy}
+
+
+def write_then_read(
+    path: str, block: bytes, nbytes: int, before_read: Callable[[str], None] | None = None
+) -> tuple[float, float]:
+    """Bytes/s of writing `nbytes` of `block` through the page cache and fsyncing it, then of reading the file back
+    (after `before_read(path)`, e.g. dropping its cached pages; without it the read comes from the page cache). The
+    file is removed."""
+    start = time.perf_counter()
+    with open(path, "wb", buffering=0) as f:
+        for _ in range(nbytes // len(block)):
+            f.write(block)
+        os.fsync(f.fileno())
+    written = nbytes / (time.perf_counter() - start)
+    if before_read is not None:
+        before_read(path)
+    buffer = bytearray(len(block))
+    start = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        while f.readinto(buffer):
+            pass
+    read = nbytes / (time.perf_counter() - start)
+    os.remove(path)
+    return written, read
 
 
 def direct_write_rate(path: str, block: bytes, nbytes: int) -> float | None:

@@ -344,25 +344,12 @@ def disk_rates(directory: str, nbytes: int) -> dict:
     """The disk's sequential rates in bytes/s for a file of `nbytes` (rounded up to 16 MiB): written and fsynced
     through the page cache, written with O_DIRECT and fsynced (scripts/benchmark/benchmark_sweep.py's yardstick;
     None where the filesystem refuses O_DIRECT), and read back after its pages were dropped."""
-    from benchmark_sweep import direct_write_rate
+    from benchmark_sweep import direct_write_rate, write_then_read
 
     path = os.path.join(directory, "disk_yardstick.bin")
     block = os.urandom(BLOCK)  # incompressible
     nbytes = max(-(-nbytes // BLOCK), 1) * BLOCK
-    start = time.perf_counter()
-    with open(path, "wb", buffering=0) as f:
-        for _ in range(nbytes // BLOCK):
-            f.write(block)
-        os.fsync(f.fileno())
-    buffered = nbytes / (time.perf_counter() - start)
-    drop_cached_pages(path)
-    buffer = bytearray(BLOCK)
-    start = time.perf_counter()
-    with open(path, "rb", buffering=0) as f:
-        while f.readinto(buffer):
-            pass
-    read = nbytes / (time.perf_counter() - start)
-    os.remove(path)
+    buffered, read = write_then_read(path, block, nbytes, before_read=drop_cached_pages)
     direct = direct_write_rate(path, block, nbytes)
     return {
         "bytes": nbytes,
