@@ -266,6 +266,10 @@ MANIFEST: dict[str, str] = {
     "hf_fsdp2/sharding/collective_methods.py::all_ranks_join::monitored_barrier": REACHED,
     "hf_fsdp2/sharding/gathering.py::gathered::unshard": REACHED,
     "hf_fsdp2/sharding/units.py::reduce_scalar_gradients.average::all_reduce": REACHED,
-    "hf_fsdp2/sharding/float8.py::refresh_float8_scales.refresh::precompute_float8_dynamic_scale_for_fsdp": REACHED,
+    "hf_fsdp2/sharding/float8.py::refresh_float8_scales.refresh::precompute_float8_dynamic_scale_for_fsdp": (
+        "torchao's own collective: its DTensor amax reduction runs inside torchao, so the audit records it as "
+        "torchao's, not this line; tests/test_float8.py checks the scales it gives at 2 ranks (fp8 max / the whole "
+        "weight's amax)"
+    ),
     "hf_fsdp2/trainer/router_loss.py::global_router_loss::all_reduce": REACHED,
 }
