@@ -1,5 +1,10 @@
 """The tested version ranges: one source (hf_fsdp2/requirements/*.txt) for pip and for the check that refuses an
-untested torch/transformers/accelerate/peft in one line before any Trainer code runs."""
+untested torch/transformers/accelerate/peft in one line before any Trainer code runs.
+
+The check itself is tested here with a version lookup that answers chosen versions (a pure function: no install is
+needed to know it refuses 2.10). Whether the code runs on a real install of another version is what
+scripts/test_other_versions.sh measures, one whole suite per install (too slow for the suite): its records are the
+Tested versions table, rendered from them (the test below)."""
 
 from __future__ import annotations
 
@@ -105,3 +110,15 @@ def test_an_old_transformers_is_refused_at_first_use_and_at_trainer_construction
     assert len(lines) == 2, proc.stdout
     for line in lines:
         assert line.startswith("UntestedVersionError transformers 5.17.0 is installed, hf_fsdp2 needs transformers>=")
+
+
+def test_the_versions_tables_are_the_render_of_the_recorded_runs():
+    """A formatting check: README.md's and docs/development.md's tables are rendered from scripts/results/versions/
+    (re-render: python scripts/docs/versions_table.py)."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts", "docs"))
+    import versions_table
+
+    table = versions_table.render_table(versions_table.load_records())
+    for page in versions_table.PAGES:
+        with open(page) as f:
+            assert versions_table.rewrite(page, table) == f.read(), f"{page}: python scripts/docs/versions_table.py"
