@@ -53,7 +53,10 @@ def test_compiled_units_keep_the_switch_out_of_their_graphs(runs, world):
     called first under inference mode still leaves it."""
     result = runs[world]["compiled"]
     assert "error" not in result, result
-    assert result["graph_breaks"] == {}
+    # torch 2.15 reports every call of a compiler-disabled function inside a compiled unit as a break, FSDP2's own
+    # hooks' too (measured on 2.15 with our hooks removed: "Call to `torch._dynamo.disable()`" twice); torch 2.13
+    # reports none. What must not appear is a break inside the switch's body (it was is_inference_mode_enabled()).
+    assert all("disable" in reason for reason in result["graph_breaks"]), result["graph_breaks"]
     assert result["still_inference_mode"] and result["max_diff"] == 0.0
     assert result["grad_norm"] == pytest.approx(result["expected_grad_norm"], rel=1e-6)
 
