@@ -183,9 +183,10 @@ class FSDP2Config:
     async_save: bool = field(
         default=False,
         metadata={
-            "help": "Write checkpoints in the background: training continues once the state is copied to host "
-            "memory; the next save or the end of training waits for the write. The folder still appears "
-            "under its checkpoint-N name only when complete."
+            "help": "Write checkpoints in the background: training continues at once while the state is copied to "
+            "host memory (buffers kept from save to save); the next optimizer step waits for that copy, the next save "
+            "or the end of training for the write. The folder still appears under its checkpoint-N name only when "
+            "complete."
         },
     )
     checkpoint_writes: CheckpointWrites = field(
