@@ -19,6 +19,7 @@ import gc
 import json
 import multiprocessing
 import os
+import re
 import runpy
 import shutil
 import signal
@@ -64,9 +65,33 @@ def run(
         proc = _run_forked(path, nproc, args, env, timeout)
     if expect_ok and proc.returncode != 0:
         raise AssertionError(
-            f"{' '.join(proc.args)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+            f"{' '.join(proc.args)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{_stderr_tail(proc)}"
         )
     return proc
+
+
+def _stderr_tail(proc: subprocess.CompletedProcess, chars: int = 8000) -> str:
+    """The end of each rank's stderr, the failed ranks first: a tail of the ranks' output joined would show only
+    the last rank's, which is most often a peer's "connection reset", not the crash that caused it."""
+    per_rank = getattr(proc, "rank_stderr", None)
+    if per_rank is None:
+        return proc.stderr[-chars:]
+    # A rank that failed by itself first, then ranks the launcher terminated (-SIGTERM), then ranks that ended well.
+    order = sorted(range(len(per_rank)), key=lambda r: (proc.rank_codes[r] == 0, proc.rank_codes[r] == -signal.SIGTERM))
+    share = chars // len(per_rank)
+    return "\n".join(
+        f"--- rank {r} (exit code {proc.rank_codes[r]}) ---\n{_excerpt(per_rank[r], share)}" for r in order
+    )
+
+
+def _excerpt(stderr: str, chars: int) -> str:
+    """The end of one rank's stderr, or from its native crash on (faulthandler's stack), without the list of
+    extension modules faulthandler appends, which alone would fill the share."""
+    crash = stderr.rfind("Fatal Python error")
+    if crash >= 0:
+        stderr = re.sub(r"\nExtension modules: .*", "", stderr[crash:])
+        return stderr[:chars]
+    return stderr[-chars:]
 
 
 def _run_torchrun(
@@ -117,12 +142,14 @@ def _run_forked(path: str, nproc: int, args: tuple[str, ...], env: dict, timeout
         ranks.append(process)
     codes = _wait(ranks, timeout)
     stdout = "".join(_read(os.path.join(logs, f"{r}.out")) for r in range(world))
-    stderr = "".join(_read(os.path.join(logs, f"{r}.err")) for r in range(world))
+    rank_stderr = [_read(os.path.join(logs, f"{r}.err")) for r in range(world)]
+    stderr = "".join(rank_stderr)
     shutil.rmtree(logs, ignore_errors=True)  # the output now lives in the returned process record
     failed = [c for c in codes if c != 0]
     command = ["forked", f"--nproc={nproc}", path, *args]
     proc = subprocess.CompletedProcess(command, failed[0] if failed else 0, stdout, stderr)
     proc.rank_codes = codes  # what each rank exited with (torchrun prints these in its failure summary)
+    proc.rank_stderr = rank_stderr
     return proc
 
 

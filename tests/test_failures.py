@@ -126,3 +126,29 @@ def test_a_killed_rank_under_max_restarts_resumes_and_ends_with_the_uninterrupte
     assert "connectFullMesh" not in proc.stderr
     assert load_result(runs["out"]["killed"])["steps_run"] == STEPS - 5, "the restarted workers resumed at step 5"
     _assert_same_weights(runs["out"]["killed"], runs["out"]["reference"])
+
+
+CRASHING_WORKER = """
+import faulthandler, os, sys
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+if dist.get_rank() == 0:
+    os.abort()  # native crash: faulthandler writes this rank's stack to its stderr
+print("peer noise\\n" * 2000, file=sys.stderr, flush=True)  # more than the whole report keeps
+dist.barrier()  # fails once rank 0 is gone: the "connection reset" that used to be all a report showed
+"""
+
+
+def test_a_rank_that_crashes_natively_shows_its_own_stack_before_the_peers_noise(tmp_path):
+    """A parity batch once failed with one rank's SIGABRT while the report showed only the other rank's
+    "Connection reset by peer": the report now gives each rank's tail, the one that failed by itself first."""
+    worker = tmp_path / "crashing_worker.py"
+    worker.write_text(CRASHING_WORKER)
+    proc = run(str(worker), 2, expect_ok=False)
+    assert proc.rank_codes[0] == -6
+    with pytest.raises(AssertionError) as failure:
+        run(str(worker), 2)
+    report = str(failure.value)
+    assert report.index("--- rank 0 (exit code -6) ---") < report.index("--- rank 1")
+    assert "Fatal Python error: Aborted" in report and "crashing_worker.py" in report
