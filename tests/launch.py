@@ -140,24 +140,33 @@ def _run_forked(path: str, nproc: int, args: tuple[str, ...], env: dict, timeout
         process = context.Process(target=_rank_main, args=(path, list(args), rank_env, out, err), daemon=False)
         process.start()
         ranks.append(process)
-    codes = _wait(ranks, timeout)
+    codes, timed_out = _wait(ranks, timeout)
     stdout = "".join(_read(os.path.join(logs, f"{r}.out")) for r in range(world))
     rank_stderr = [_read(os.path.join(logs, f"{r}.err")) for r in range(world)]
     stderr = "".join(rank_stderr)
     shutil.rmtree(logs, ignore_errors=True)  # the output now lives in the returned process record
-    failed = [c for c in codes if c != 0]
+    # The code of a rank that failed by itself, not of one the launcher stopped after it (-SIGTERM).
+    failed = sorted((c for c in codes if c != 0), key=lambda c: c == -signal.SIGTERM)
     command = ["forked", f"--nproc={nproc}", path, *args]
     proc = subprocess.CompletedProcess(command, failed[0] if failed else 0, stdout, stderr)
     proc.rank_codes = codes  # what each rank exited with (torchrun prints these in its failure summary)
     proc.rank_stderr = rank_stderr
+    if timed_out:  # what each rank had written by then is the only clue to where it hung
+        raise subprocess.TimeoutExpired(command, timeout, output=stdout, stderr=_stderr_tail(proc))
     return proc
 
 
-def _wait(ranks: list, timeout: int) -> list[int]:
-    """Exit codes of every rank; when one fails (or time runs out) the others are terminated, as torchrun does."""
+def _wait(ranks: list, timeout: int) -> tuple[list[int], bool]:
+    """Exit codes of every rank and whether time ran out; when one fails (or time runs out) the others are
+    terminated, as torchrun does."""
     deadline = time.monotonic() + timeout
     while any(p.is_alive() for p in ranks):
         if any(p.exitcode not in (None, 0) for p in ranks) or time.monotonic() > deadline:
+            if time.monotonic() > deadline:  # each hung rank writes every thread's stack to its stderr first
+                for p in ranks:
+                    if p.is_alive():
+                        os.kill(p.pid, signal.SIGUSR2)
+                time.sleep(1)
             for p in ranks:
                 if p.is_alive():
                     p.terminate()
@@ -169,9 +178,7 @@ def _wait(ranks: list, timeout: int) -> list[int]:
         time.sleep(0.05)
     for p in ranks:
         p.join()
-    if time.monotonic() > deadline:
-        raise subprocess.TimeoutExpired(["forked", *[str(p.pid) for p in ranks]], timeout)
-    return [p.exitcode for p in ranks]
+    return [p.exitcode for p in ranks], time.monotonic() > deadline
 
 
 def _read(path: str) -> str:
@@ -202,6 +209,7 @@ def _rank_main(path: str, args: list[str], env: dict, out: str, err: str) -> Non
     # this). Those objects live as long as the process anyway: freezing leaves them out of every collection.
     gc.freeze()
     faulthandler.enable()  # a rank that crashes in native code leaves its Python stack in its stderr
+    faulthandler.register(signal.SIGUSR2, all_threads=True)  # and one that hangs, when the launcher times out
     import torch
 
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))

@@ -7,6 +7,7 @@ import glob
 import json
 import os
 import re
+import subprocess
 
 import pytest
 import torch
@@ -151,4 +152,28 @@ def test_a_rank_that_crashes_natively_shows_its_own_stack_before_the_peers_noise
         run(str(worker), 2)
     report = str(failure.value)
     assert report.index("--- rank 0 (exit code -6) ---") < report.index("--- rank 1")
+    assert "failed (-6)" in report, "the code of the rank that crashed, not of the one stopped after it"
     assert "Fatal Python error: Aborted" in report and "crashing_worker.py" in report
+
+
+HANGING_WORKER = """
+import time
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+if dist.get_rank() == 1:
+    time.sleep(600)  # never reaches the barrier rank 0 waits in
+dist.barrier()
+"""
+
+
+def test_a_launch_that_times_out_reports_where_each_rank_hung(tmp_path):
+    """A 2-rank batch once ran past pytest's limit and left no clue: on timeout each rank now dumps every thread's
+    stack (faulthandler, SIGUSR2) before it is stopped, and the timeout carries them."""
+    worker = tmp_path / "hanging_worker.py"
+    worker.write_text(HANGING_WORKER)
+    with pytest.raises(subprocess.TimeoutExpired) as timeout:
+        run(str(worker), 2, timeout=15)
+    report = timeout.value.stderr
+    assert re.search(r"--- rank 1 .*---\n(.|\n)*hanging_worker\.py\", line 7", report), report
+    assert re.search(r"--- rank 0 .*---\n(.|\n)*hanging_worker\.py\", line 8", report), report

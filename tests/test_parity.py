@@ -7,6 +7,8 @@ that this reference itself equals plain `transformers.Trainer`.
 from __future__ import annotations
 
 import os
+import subprocess
+import time
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ import torch
 from tests.launch import load_result, run, run_batch
 
 TOL = 1e-5
+LAUNCH_TIMEOUT = 300  # seconds; a launch takes 5 to 90 s on 2 busy cores
 MODELS = ["llama", "llama_tied", "qwen2", "gpt2"]
 
 
@@ -24,6 +27,10 @@ def out_dir(out_root, model: str, nproc: int, flags: tuple[str, ...], name: str 
 def train(out_root, model: str, nproc: int, *flags: str, name: str = "") -> tuple[dict, dict]:
     """Return (result.json, final full weights) of a run, training it now unless `out_root` planned it."""
     out = out_dir(out_root, model, nproc, flags, name)
+    failed = os.path.join(out, "launch_failed.txt")
+    if os.path.exists(failed):  # planned, and its launch failed: its report, not a quiet second try
+        with open(failed) as f:
+            raise AssertionError(f.read())
     if not os.path.exists(os.path.join(out, "result.json")):
         run("train_worker.py", nproc, "--model", model, "--out", out, *flags)
     return load_result(out), torch.load(os.path.join(out, "weights.pt"))
@@ -86,14 +93,25 @@ def planned_runs(tiny) -> list[tuple[str, int, tuple[str, ...], str]]:
 
 @pytest.fixture(scope="module")
 def out_root(tmp_path_factory, tiny):
-    """Train every planned run, one launch per world size, before the tests compare them."""
+    """Train every planned run before the tests compare them: one launch per world size, and the compiled runs in
+    launches of their own, so a crash inside compiled code fails their two tests, not every test here."""
     root = tmp_path_factory.mktemp("parity")
-    by_world: dict[int, list[list[str]]] = {}
+    launches: dict[tuple[int, bool], list[list[str]]] = {}
     for model, nproc, flags, name in planned_runs(tiny):
         argv = ["--model", model, "--out", out_dir(root, model, nproc, flags, name), *flags]
-        by_world.setdefault(nproc, []).append(argv)
-    for nproc, runs in by_world.items():
-        run_batch("train_worker.py", nproc, runs, str(root / "batches"))
+        launches.setdefault((nproc, "--compile" in flags), []).append(argv)
+    deadline = time.monotonic() + 800  # inside pytest's 900 s, which would end the whole module without a report
+    for (nproc, _), runs in launches.items():
+        try:
+            timeout = int(min(LAUNCH_TIMEOUT, deadline - time.monotonic()))
+            run_batch("train_worker.py", nproc, runs, str(root / "batches"), timeout=max(timeout, 1))
+        except (AssertionError, subprocess.TimeoutExpired) as failure:  # these runs' tests fail with this report
+            for argv in runs:
+                if os.path.exists(os.path.join(argv[3], "result.json")):
+                    continue  # finished before the failure: its tests compare it as usual
+                os.makedirs(argv[3], exist_ok=True)
+                with open(os.path.join(argv[3], "launch_failed.txt"), "w") as f:
+                    f.write(f"{failure}\n{getattr(failure, 'stderr', None) or ''}")
     return root
 
 
