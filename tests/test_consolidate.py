@@ -79,11 +79,17 @@ def test_consolidating_the_model_subfolder_and_sharding_with_an_index(trained, t
     assert torch.allclose(logits_of(str(tmp_path / "hf")), sharded_logits(trained), atol=1e-5, rtol=0)
 
 
-def test_export_dtype_is_applied_and_recorded(trained, tmp_path):
-    consolidate(os.path.join(trained, "run", "checkpoint-4"), str(tmp_path / "bf16"), dtype="bfloat16")
-    tensors = load_file(str(tmp_path / "bf16" / "model.safetensors"))
-    assert {t.dtype for t in tensors.values()} == {torch.bfloat16}
-    assert AutoModelForCausalLM.from_pretrained(str(tmp_path / "bf16")).dtype == torch.bfloat16
+def test_cli_applies_and_records_the_export_dtype_and_the_shard_size(trained, tmp_path):
+    """The command's --dtype and --max-shard-size reach the export (not only consolidate()'s arguments)."""
+    output = tmp_path / "bf16"
+    proc = run_cli("consolidate", os.path.join(trained, "run", "checkpoint-4"), str(output), "--dtype", "bfloat16",
+                   "--max-shard-size", "20KB")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    with open(output / "model.safetensors.index.json") as f:
+        files = set(json.load(f)["weight_map"].values())
+    assert len(files) > 1 and all(os.path.getsize(output / name) <= 40_000 for name in files)
+    assert {t.dtype for name in files for t in load_file(str(output / name)).values()} == {torch.bfloat16}
+    assert AutoModelForCausalLM.from_pretrained(str(output)).dtype == torch.bfloat16
 
 
 def test_configs_name_the_real_class_and_an_old_checkpoints_fsdp_name_is_mended(trained, tmp_path):
@@ -195,6 +201,9 @@ def test_a_non_empty_output_is_refused_and_kept(trained, tmp_path):
         os.path.join(trained, "run", "checkpoint-4"), str(output)
     )
     assert (output / "precious.txt").read_text() == "keep me"
+    proc = run_cli("consolidate", os.path.join(trained, "run", "checkpoint-4"), str(output), "--overwrite")
+    assert proc.returncode == 0, proc.stderr
+    assert (output / "model.safetensors").is_file(), "--overwrite writes into the non-empty folder"
 
 
 def test_checkpoint_metadata_is_not_unpickled_blindly(trained, tmp_path):

@@ -275,6 +275,17 @@ def test_adapter_from_another_base_model_is_refused(tmp_path, tiny):
         load_adapter(lora(AutoModelForCausalLM.from_pretrained(tiny("llama"))), str(tmp_path / "nothing"))
 
 
+def test_an_adapter_from_a_same_shaped_base_of_another_name_loads_with_a_warning(tmp_path, tiny, hf_fsdp2_records):
+    """Same shapes load without error, so the name recorded in adapter_config.json is the only clue."""
+    save_adapter(lora(AutoModelForCausalLM.from_pretrained(tiny("llama"))), str(tmp_path / "adapter"))
+    load_adapter(lora(AutoModelForCausalLM.from_pretrained(tiny("llama"))), str(tmp_path / "adapter"))
+    assert not [r for r in hf_fsdp2_records if "was trained on" in r.getMessage()], "same base: no warning"
+    other = shutil.copytree(tiny("llama"), tmp_path / "other-base")
+    load_adapter(lora(AutoModelForCausalLM.from_pretrained(str(other))), str(tmp_path / "adapter"))
+    warned = [r.getMessage() for r in hf_fsdp2_records if "was trained on" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].endswith(f"loading it into {other}.")
+
+
 def test_trainable_weights_outside_the_adapter_are_refused(tiny):
     model = lora(AutoModelForCausalLM.from_pretrained(tiny("llama")))
     check_trainable_are_saved(model)

@@ -139,6 +139,16 @@ def test_the_root_and_the_last_block_stay_gathered_into_backward(out_root, tiny)
     assert result["all_gathers_in_training"] == micro_batches * (1 + (len(flags) + 1) + len(flags))
 
 
+def test_deferred_sync_reduces_gradients_once_per_optimizer_step(out_root, tiny):
+    """Deferring is exact either way, so parity alone cannot see it: count FSDP2's gradient reduce-scatters. Every
+    unit reduces after each micro-batch's backward, or, deferred, only after the last one of each step."""
+    every, _ = train(out_root, tiny("llama"), 2)
+    deferred, _ = train(out_root, tiny("llama"), 2, "--defer")
+    steps, units = len(every["steps"]), len(every["resharded_after_forward"])
+    assert every["reduce_scatters_in_training"] == steps * 2 * units  # 2 micro-batches a step
+    assert deferred["reduce_scatters_in_training"] == steps * units
+
+
 def test_weights_changed_during_training(out_root, tiny):
     """Guard against a vacuous parity: training must move the weights well beyond the tolerance."""
     from transformers import AutoModelForCausalLM

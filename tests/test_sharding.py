@@ -7,7 +7,13 @@ import torch
 from torch import nn
 
 from hf_fsdp2 import FSDP2Config
-from hf_fsdp2.sharding.units import mixed_precision_policy, scalar_parameters, select_units, upcast_trainable
+from hf_fsdp2.sharding.units import (
+    _check_reshard,
+    mixed_precision_policy,
+    scalar_parameters,
+    select_units,
+    upcast_trainable,
+)
 from tests.tiny_models import gpt2, llama
 
 
@@ -88,3 +94,22 @@ def test_upcast_makes_trainable_bf16_params_fp32_and_keeps_ties():
     assert model.lm_head.weight.dtype == torch.float32
     assert model.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16, "frozen params stay low precision"
     assert model.model.layers[1].mlp.up_proj.weight.dtype == torch.float32
+
+
+class _ShardGroup:
+    """The one question _check_reshard asks a mesh: the size of its shard dimension."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+
+    def size(self, dim: int) -> int:
+        return self._size
+
+
+def test_an_int_reshard_size_must_divide_the_shard_group():
+    for accepted in (True, False, 1, 2, 4):
+        _check_reshard(accepted, _ShardGroup(4))
+    with pytest.raises(ValueError, match="reshard_after_forward=3 does not divide the shard group size 4"):
+        _check_reshard(3, _ShardGroup(4))
+    with pytest.raises(ValueError, match="reshard_after_forward=2 does not divide the shard group size 3"):
+        _check_reshard(2, _ShardGroup(3))  # smaller than the group, and still not a divisor

@@ -350,6 +350,7 @@ def train(argv: list[str]) -> None:
     if args.export_to:
         trainer.save_model(args.export_to)
     result["all_gathers_in_training"] = calls["all_gather"]
+    result["reduce_scatters_in_training"] = calls["reduce_scatter"]
     result["steps_run"] = disruptions.steps_run
     result["use_cpu"] = training_args.use_cpu
     history = [h for h in trainer.state.log_history if "loss" in h]
@@ -393,12 +394,16 @@ def train(argv: list[str]) -> None:
 
 @contextlib.contextmanager
 def _counting_collectives():
-    """Count torch.distributed's all-gathers (FSDP2's parameter gathers) and all-reduces inside the block."""
+    """Count torch.distributed's all-gathers (FSDP2's parameter gathers), reduce-scatters (its gradient
+    reductions) and all-reduces inside the block."""
     import torch.distributed as dist
 
-    count = {"all_gather": 0, "all_reduce": 0}
-    # torch 2.13's FSDP2 gathers through all_gather_single; earlier ones through all_gather_into_tensor.
-    kinds = {"all_gather_into_tensor": "all_gather", "all_gather_single": "all_gather", "all_reduce": "all_reduce"}
+    count = {"all_gather": 0, "all_reduce": 0, "reduce_scatter": 0}
+    # torch 2.13's FSDP2 gathers and reduces through the *_single calls; earlier ones through the *_tensor ones.
+    kinds = {
+        "all_gather_into_tensor": "all_gather", "all_gather_single": "all_gather", "all_reduce": "all_reduce",
+        "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_single": "reduce_scatter",
+    }  # fmt: skip
     originals = {name: getattr(dist, name) for name in kinds if hasattr(dist, name)}
 
     def counting(name, original):
