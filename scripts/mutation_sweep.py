@@ -69,7 +69,8 @@ def run_one(mutation: dict[str, Any], scratch: str, timeout: int) -> dict[str, A
     try:
         proc = subprocess.run(command, cwd=scratch, env=env, capture_output=True, text=True, timeout=timeout)
         outcome = {1: "caught", 0: "survived"}.get(proc.returncode, f"pytest exit {proc.returncode}")
-        failed = [line.split(" ", 1)[1] for line in proc.stdout.splitlines() if line.startswith("FAILED ")]
+        # ERROR: the break made a fixture fail (a crash while loading is a catch too; its line says which).
+        failed = [line for line in proc.stdout.splitlines() if line.startswith(("FAILED ", "ERROR "))]
         summary = (proc.stdout.strip().splitlines() or [""])[-1]
     except subprocess.TimeoutExpired:
         outcome, failed, summary = "timed out", [], f"over {timeout} s"
@@ -85,7 +86,7 @@ def render_table(results: list[dict[str, Any]]) -> str:
     """One row per planted break: the feature, where, what caught it."""
     lines = ["| feature broken | file | outcome | caught by | s |", "|---|---|---|---|---|"]
     for r in results:
-        caught_by = ", ".join(name.split("::")[-1].split(" ")[0] for name in r["failed"][:2]) or "—"
+        caught_by = ", ".join(line.split("::")[-1].split(" ")[0] for line in r["failed"][:2]) or "—"
         lines.append(f"| {r['feature']} | `{r['file']}` | {r['outcome']} | {caught_by} | {r['seconds']:.0f} |")
     return "\n".join(lines)
 

@@ -128,6 +128,26 @@ def test_launch_mixed_precision_means_that_compute_dtype(monkeypatch):
     assert resolve_config(None, None).param_dtype == "float16"
 
 
+def test_launch_mixed_precision_fp8_means_float8_and_is_refused_by_name_without_fp8_tensor_cores(
+    monkeypatch, caplog, tiny, tmp_path
+):
+    """Accelerate is told mixed_precision="no": an fp8 launch used to train in full precision without a word."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_fsdp2 import FSDP2Trainer
+
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp8")
+    monkeypatch.setenv("ACCELERATE_FP8_BACKEND", "TE")
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    config = resolve_config(None, args)
+    assert config.float8 and config.param_dtype == "bfloat16"
+    carried = [r.getMessage() for r in caplog.records if "--mixed_precision fp8" in r.getMessage()]
+    assert carried == ["Carried over from accelerate launch --mixed_precision fp8: float8=True, "
+                       "param_dtype='bfloat16' (torchao's float8 in place of Accelerate's TE backend)."]  # fmt: skip
+    with pytest.raises(ValueError, match=r"FSDP2Config\(float8=True\) computes the Linear layers with FP8 matmuls"):
+        FSDP2Trainer(model=AutoModelForCausalLM.from_pretrained(tiny("llama")), args=args)
+
+
 def test_without_fsdp_settings_the_config_is_left_as_it_is():
     config = FSDP2Config(reshard_after_forward="false")
     assert resolve_config(config, TrainingArguments(output_dir="unused", report_to=[], use_cpu=True)) is config

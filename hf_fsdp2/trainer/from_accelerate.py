@@ -235,6 +235,8 @@ def _carry_mixed_precision(config: FSDP2Config, args: Any) -> FSDP2Config:
     """`accelerate launch --mixed_precision bf16|fp16` (TrainingArguments.mixed_precision) means that compute dtype
     here; fp16 then trains with the gradient scaler, as TrainingArguments(fp16=True) does."""
     mixed = getattr(args, "mixed_precision", "no") if args is not None else os.environ.get("ACCELERATE_MIXED_PRECISION")
+    if mixed == "fp8":
+        return _carry_fp8(config)
     dtypes = {"bf16": ("bfloat16", "bf16"), "fp16": ("float16", "fp16")}
     if mixed not in dtypes or config.param_dtype is not None:
         return config
@@ -243,3 +245,20 @@ def _carry_mixed_precision(config: FSDP2Config, args: Any) -> FSDP2Config:
         return config  # the TrainingArguments field itself says it; the policy follows it
     log_rank0("Carried over from accelerate launch --mixed_precision %s: param_dtype=%r.", mixed, dtype)
     return dataclasses.replace(config, param_dtype=dtype)
+
+
+def _carry_fp8(config: FSDP2Config) -> FSDP2Config:
+    """`accelerate launch --mixed_precision fp8` asks for FP8 matmuls with bf16 around them. Accelerate is told "no"
+    (sharding.py), so without this the request would vanish and the run train in full precision: here it becomes
+    float8=True (torchao's float8, whichever FP8 backend Accelerate was given), which refuses a machine without FP8
+    tensor cores by name."""
+    param_dtype = config.param_dtype or "bfloat16"
+    if config.float8 and config.param_dtype == param_dtype:
+        return config
+    backend = os.environ.get("ACCELERATE_FP8_BACKEND")
+    log_rank0(
+        "Carried over from accelerate launch --mixed_precision fp8: float8=True, param_dtype=%r (torchao's float8%s).",
+        param_dtype,
+        f" in place of Accelerate's {backend} backend" if backend and backend.upper() != "AO" else "",
+    )
+    return dataclasses.replace(config, float8=True, param_dtype=param_dtype)
