@@ -185,8 +185,8 @@ class FSDP2Config:
         metadata={
             "help": "Write checkpoints in the background: training continues at once while the state is copied to "
             "host memory (buffers kept from save to save); the next optimizer step waits for that copy, the next save "
-            "or the end of training for the write. The folder still appears under its checkpoint-N name only when "
-            "complete."
+            "or the end of training for a write still running. The folder appears under its checkpoint-N name at "
+            "the end of the first step after every rank has written it, never before."
         },
     )
     checkpoint_writes: CheckpointWrites = field(

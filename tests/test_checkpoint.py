@@ -177,6 +177,38 @@ def test_a_rank_killed_mid_save_leaves_only_complete_checkpoints(tmp_path, tiny,
     assert not os.path.exists(os.path.join(run_dir, ".checkpoint-4.incomplete")), "re-saving step 4 cleaned it"
 
 
+def test_a_rank_killed_during_an_async_saves_overlapped_copy_loses_nothing_saved_before(tmp_path, tiny, reference):
+    """An asynchronous save's host copy runs beside the next step; a rank dying there (out of host memory, a node
+    lost) must leave the earlier checkpoint the one to resume, and the half-made one hidden."""
+    out = str(tmp_path)
+    flags = ("--model", tiny(MODEL), "--out", out, *STEPS, "--async-save")
+    # Each save copies two parts (the model, the optimizer): the third copy is the step-4 save's first.
+    proc = run("train_worker.py", 2, *flags, "--kill-in-copy", "3", expect_ok=False)
+    assert proc.returncode != 0 and proc.rank_codes[1] == -9
+    run_dir = os.path.join(out, "run")
+    assert sorted(os.listdir(run_dir)) == [".checkpoint-4.incomplete", "checkpoint-2"]
+    run("train_worker.py", 2, *flags, "--resume", "last")
+    expected, got = losses_by_step(reference), losses_by_step(out)
+    for step in (3, 4, 5, 6):
+        assert abs(got[step] - expected[step]) <= 1e-6
+
+
+def test_an_async_checkpoint_is_published_once_written_not_at_the_next_save(tmp_path, tiny, reference):
+    """Saved at step 3, killed after step 5, the next save due at step 6: checkpoint-3 was whole on disk since step 4,
+    and used to stay hidden (published only by the next save), so the relaunch started over."""
+    out = str(tmp_path)
+    flags = ("--model", tiny(MODEL), "--out", out, "--save-steps", "3", "--steps", "6", "--async-save")
+    proc = run("train_worker.py", 2, *flags, "--kill-at", "5", "--step-sleep", "0.3", expect_ok=False)
+    assert proc.returncode != 0 and proc.rank_codes[1] == -9
+    run_dir = os.path.join(out, "run")
+    assert os.listdir(run_dir) == ["checkpoint-3"]
+    run("train_worker.py", 2, *flags, "--resume", "last")
+    expected, got = losses_by_step(reference), losses_by_step(out)
+    assert load_result(out)["steps_run"] == 3, "the relaunch resumed from checkpoint-3"
+    for step in (4, 5, 6):
+        assert abs(got[step] - expected[step]) <= 1e-6
+
+
 def test_async_save_trains_identically_and_resumes_exactly(runs):
     assert losses_by_step(runs["async"]) == losses_by_step(runs["reference"])
     assert get_last_checkpoint(os.path.join(runs["async"], "run")).endswith("checkpoint-6")

@@ -260,6 +260,12 @@ def wait_for_staging(pending: list[Any]) -> BaseException | None:
     return failure
 
 
+def writes_done(pending: list[Any]) -> bool:
+    """Whether every asynchronous part of a save (from `write_parts`) has stopped writing on this rank, finished or
+    failed, without waiting for it."""
+    return all(getattr(save, "upload_completion", save).done() for save in pending)
+
+
 def wait_for_writes(pending: list[Any]) -> BaseException | None:
     """Wait for every asynchronous part of a save (from `write_parts`); return the first failure, not raise it, so
     the caller can remove the partial folder once nothing writes into it any more."""

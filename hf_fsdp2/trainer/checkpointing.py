@@ -10,6 +10,8 @@ It decides when and what is written; the DCP files are `checkpoints.sharded_save
 An asynchronous save copies the state to host memory in the background while training goes on; the callback
 `on_pre_optimizer_step` (Trainer's own event, right before `optimizer.step()`) waits for that copy, so the step never
 changes what is being copied (tests/test_checkpoint.py: async checkpoints equal the sync run's, with a slow copy).
+Its `on_step_end` publishes the save once every rank's writes are done, so a crash before the next save keeps it
+(tests/test_checkpoint.py: a rank killed the step after an async save).
 - `save_model`: writes a from_pretrained-ready folder, gathering one tensor at a time (a PEFT model: its
   adapter folder, or the merged model with `merge_adapters_on_save`).
 - `_save` (a subclass's own, such as sentence-transformers'): `save_model` and the end-of-training export of a model
@@ -44,8 +46,9 @@ from ..checkpoints.sharded_save import (
     wait_for_staging,
     wait_for_writes,
     write_parts,
+    writes_done,
 )
-from ..distributed import is_rank0, log_rank0
+from ..distributed import agree, is_rank0, log_rank0
 from ..export.live import save_pretrained_sharded, write_model_files
 from ..loading.facts import facts_of
 from .callbacks import ConsolidateCallback
@@ -63,10 +66,10 @@ class PendingSave(NamedTuple):
     error: BaseException | None  # a failure already seen while starting the save
 
 
-class StagingWaitCallback(TrainerCallback):
-    """Right before each optimizer step, wait for the host copy of a pending asynchronous save (the step would change
-    the parameters and optimizer state being copied). Holds its trainer weakly and looks its `_wait_for_staging` up at
-    each call."""
+class AsyncSaveCallback(TrainerCallback):
+    """A pending asynchronous save's two moments in the step: right before the optimizer step, wait for its host copy
+    (the step would change the parameters and optimizer state being copied); at the step's end, publish it if every
+    rank has written it. Holds its trainer weakly and looks its methods up at each call."""
 
     def __init__(self, trainer: Any) -> None:
         self._trainer = weakref.ref(trainer)
@@ -75,6 +78,11 @@ class StagingWaitCallback(TrainerCallback):
         trainer = self._trainer()
         if trainer is not None:
             trainer._wait_for_staging()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        trainer = self._trainer()
+        if trainer is not None:
+            trainer._publish_when_written()
 
 
 class CheckpointMixin:
@@ -87,7 +95,7 @@ class CheckpointMixin:
         self._pending_save: PendingSave | None = None
         self._unstaged: list[Any] = []  # the pending save's parts whose host copy may still run
         super().__init__(*args, **kwargs)
-        self.add_callback(StagingWaitCallback(self))
+        self.add_callback(AsyncSaveCallback(self))
         config = self.fsdp2_config
         if config.consolidate_on_train_end and not any(
             isinstance(c, ConsolidateCallback) for c in self.callback_handler.callbacks
@@ -148,6 +156,19 @@ class CheckpointMixin:
         """
         unstaged, self._unstaged = self._unstaged, []
         wait_for_staging(unstaged)
+
+    def _publish_when_written(self) -> None:
+        """Publish the pending asynchronous save as soon as every rank has written it, not at the next save: a crash
+        in between would lose a checkpoint that is whole on disk.
+
+        NOTE: collective (one flag, agreed by minimum) at the end of every step while a save is pending; every rank
+        has the same pending save, since every rank saves at the same steps.
+        """
+        if self._pending_save is None:
+            return
+        written = writes_done(self._pending_save.writes)
+        if agree([float(written)], "min")[0] == 1.0:
+            self._wait_for_pending_save()
 
     def _checkpoint_folder(self, trial: Any) -> str:
         """checkpoint-N of this step, in the run's output folder."""

@@ -103,6 +103,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-use-cpu", action="store_true", help="leave use_cpu off even without a GPU")
     p.add_argument("--seed-checkpoint", default=None, help="copy this checkpoint-N folder into the run dir first")
     p.add_argument("--kill-in-save", type=int, default=0, help="rank 1 SIGKILLs itself inside its N-th save")
+    p.add_argument("--kill-in-copy", type=int, default=0, help="rank 1 SIGKILLs itself inside its N-th async host copy")
     p.add_argument("--kill-at", type=int, default=0, help="first attempt only: rank 1 SIGKILLs itself after step N")
     p.add_argument("--signal-at", type=int, default=0, help="after step N, --signal-rank sends SIGTERM to --signal-to")
     p.add_argument("--signal-rank", type=int, default=1)
@@ -171,6 +172,28 @@ def slow_staging(seconds: float):
         yield
     finally:
         HostStager._copy = copy
+
+
+def kill_inside_copy(nth: int) -> None:
+    """Make rank 1 die by SIGKILL in the background thread of its nth asynchronous save, halfway through the host
+    copy that overlaps the next step (the other rank has already gone on training)."""
+    import signal
+
+    from hf_fsdp2.checkpoints.sharded_save import HostStager
+
+    if int(os.environ.get("RANK", "0")) != 1:
+        return
+    copy, calls = HostStager._copy, {"n": 0}
+
+    def copy_then_die(self, copier, state_dict):
+        calls["n"] += 1
+        if calls["n"] == nth:
+            half = dict(list(state_dict.items())[: len(state_dict) // 2])
+            copier.stage(half, non_blocking=False)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return copy(self, copier, state_dict)
+
+    HostStager._copy = copy_then_die
 
 
 def kill_inside_save(nth: int) -> None:
@@ -325,6 +348,8 @@ def train(argv: list[str]) -> None:
     )
     if args.kill_in_save:
         kill_inside_save(args.kill_in_save)
+    if args.kill_in_copy:
+        kill_inside_copy(args.kill_in_copy)
     if args.fill_disk_at_save:
         fill_disk_at_save(args.fill_disk_at_save, args.out)
     vocab = 96
