@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
@@ -20,12 +21,36 @@ os.environ.setdefault(
     os.path.join(tempfile.gettempdir(), f"hf_fsdp2_inductor_{os.environ.get('ATEN_CPU_CAPABILITY', 'native')}"),
 )
 
+
 # torchao (the 'qlora' extra) loads CUDA kernels when transformers or peft import it and prints a failure for each
 # on a machine without CUDA; NF4 needs none of them. Set for the tests only: importing hf_fsdp2 sets no variable.
 os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
 
 from tests import collective_sites
 from tests.tiny_models import save_tiny
+
+
+def _drop_empty_kernels(cache: str) -> list[str]:
+    """Remove compiled kernels of 0 bytes from the kernel cache, and return their paths.
+
+    A compile killed while it wrote its .so (a test run stopped, a timeout) leaves the file empty, and torch 2.11 then
+    fails every later load of that kernel ("file too short"). Seen here: one empty kernel since a stopped run made the
+    compiled parity runs of every later torch 2.11 suite fail on one rank and hang the other until the launch timed out.
+    An empty shared library is never valid, so removing it only makes torch compile it again.
+    """
+    empty = []
+    for folder, _, files in os.walk(cache):
+        for name in files:
+            path = os.path.join(folder, name)
+            # NOTE: both pytest workers run this at once; the other may have removed it already.
+            with contextlib.suppress(FileNotFoundError):
+                if name.endswith(".so") and os.path.getsize(path) == 0:
+                    os.remove(path)
+                    empty.append(path)
+    return empty
+
+
+_drop_empty_kernels(os.environ["TORCHINDUCTOR_CACHE_DIR"])
 
 
 @pytest.fixture(scope="session")

@@ -173,3 +173,17 @@ def test_a_launch_that_times_out_reports_where_each_rank_hung(tmp_path):
     report = timeout.value.stderr
     assert re.search(r"--- rank 1 .*---\n(.|\n)*hanging_worker\.py\", line 5", report), report
     assert re.search(r"--- rank 0 .*---\n(.|\n)*hanging_worker\.py\", line 6", report), report
+
+
+def test_an_empty_kernel_left_by_a_killed_compile_is_removed_from_the_shared_cache(tmp_path):
+    """The suite shares torch.compile's kernel cache between runs; an empty .so (a compile killed mid-write) once made
+    every later torch 2.11 run fail to load it. Only empty kernels go; sources and whole kernels stay."""
+    from tests.conftest import _drop_empty_kernels
+
+    (tmp_path / "ea").mkdir()
+    empty, whole, source = tmp_path / "ea" / "k.main.so", tmp_path / "ea" / "w.main.so", tmp_path / "ea" / "k.main.cpp"
+    empty.write_bytes(b"")
+    whole.write_bytes(b"\x7fELF")
+    source.write_text("")
+    assert _drop_empty_kernels(str(tmp_path)) == [str(empty)]
+    assert sorted(p.name for p in (tmp_path / "ea").iterdir()) == ["k.main.cpp", "w.main.so"]

@@ -35,6 +35,7 @@ def installed(**versions: str):
         ("torch", "2.11.0+cu130"),  # the GPU images' own build
         ("torch", "2.15.0"),
         ("torch", "2.15.0rc1"),
+        ("torch", "2.11.0rc1"),  # sorts below '>=2.11' itself: only counting it as 2.11.0 admits it
     ],
 )
 def test_tested_versions_are_accepted(name, version):
