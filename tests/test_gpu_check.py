@@ -137,11 +137,15 @@ def check_checkpoints(saved: dict) -> None:
     spaced, back_to_back = saved["async_saves"], saved["async_back_to_back"]
     assert [s["step"] for s in spaced] == [3, 6, 9] and [s["step"] for s in back_to_back] == [10]
     for save in spaced + back_to_back:
-        assert save["total_blocked_s"] == pytest.approx(save["blocked_s"] + save["staging_wait_s"], abs=1e-3)
+        blocked = save["blocked_s"] + save["staging_wait_s"] + save.get("publish_s", 0.0)
+        assert save["total_blocked_s"] == pytest.approx(blocked, abs=1e-3)
         assert len(save["copy_s"]) == 2 and save["pinned"] is False and save["written_s"] >= save["blocked_s"]
     assert [s["buffers_reused"] for s in spaced + back_to_back] == [None, True, True, True]
     assert all("wait_writes" not in s["stages"] for s in spaced)  # the last write was over before each of these
-    assert "wait_writes" in back_to_back[0]["stages"] and "commit" in back_to_back[0]["stages"]
+    # The back-to-back save waited for the last one's write in its call, unless that write (tiny here) was over by
+    # the step's end, where every rank agreed so and published it (timed as that save's publish_s).
+    published_before = spaced[-1].get("publish_s") is not None
+    assert published_before or {"wait_writes", "commit"} <= set(back_to_back[0]["stages"])
     assert len(saved["async_step_s"]["after_each_save"]) == 4
     assert [s["writes"] for s in saved["sync_saves"]] == ["cached", "direct"]
     for save in saved["sync_saves"]:

@@ -160,9 +160,10 @@ def _storage_addresses(state: Any) -> Iterator[int]:
 
 
 class PartSavers:
-    """What saves keep between checkpoints: a gloo group per part (model, optimizer) and, for asynchronous
-    saves, a `HostStager` per part, whose host buffers are allocated at the first save and refilled by every later
-    one (on every torch in the supported range), plus device copies of the model's plain tensors.
+    """What saves keep between checkpoints: a gloo group per part (model, optimizer) and, for asynchronous saves, a
+    gloo group for the training thread's written-yet flags and a `HostStager` per part, whose host buffers are
+    allocated at the first save and refilled by every later one (on every torch in the supported range), plus device
+    copies of the model's plain tensors.
 
     NOTE: each part's DCP save runs its collectives in its own thread (the model's beside the optimizer's in a sync
     save, both in the background in an async one); sharing a group between them (or with training) lets them
@@ -172,6 +173,9 @@ class PartSavers:
     def __init__(self, async_save: bool = False) -> None:
         self.groups = {part: new_host_group() for part in (MODEL_DIR, OPTIMIZER_DIR)}
         self.stagers = {part: HostStager() for part in (MODEL_DIR, OPTIMIZER_DIR)} if async_save else {}
+        # The training thread's own gloo group for "is the pending save written?" at each step's end: a CPU flag, so
+        # asking never waits for the accelerator's queued work, and apart from the parts' groups the writes use.
+        self.written_flags = new_host_group() if async_save else None
         self._snapshots: dict[str, torch.Tensor] = {}
 
     def snapshot_plain_tensors(self, state: dict[str, Any]) -> dict[str, Any]:

@@ -161,13 +161,14 @@ class CheckpointMixin:
         """Publish the pending asynchronous save as soon as every rank has written it, not at the next save: a crash
         in between would lose a checkpoint that is whole on disk.
 
-        NOTE: collective (one flag, agreed by minimum) at the end of every step while a save is pending; every rank
-        has the same pending save, since every rank saves at the same steps.
+        NOTE: collective (one flag, agreed by minimum, on the savers' own gloo group: no wait for the accelerator) at
+        the end of every step while an asynchronous save is pending; every rank has the same pending save, since
+        every rank saves at the same steps.
         """
-        if self._pending_save is None:
+        if self._pending_save is None or self._savers is None or self._savers.written_flags is None:
             return
         written = writes_done(self._pending_save.writes)
-        if agree([float(written)], "min")[0] == 1.0:
+        if agree([float(written)], "min", group=self._savers.written_flags)[0] == 1.0:
             self._wait_for_pending_save()
 
     def _checkpoint_folder(self, trial: Any) -> str:

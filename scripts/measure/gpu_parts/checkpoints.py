@@ -5,8 +5,9 @@ In order (each mode in its own folder, keeping only its last checkpoint: 1B is 1
 - async: saves at steps 3, 6 and 9, each after the last one's write has finished (waited for outside the timed
   calls, as enough steps between saves would), then one at step 10, while the 9th's is still being written (the
   back-to-back save, reported apart), and a step after it. Per save: seconds `_save_checkpoint` blocked, seconds the
-  next optimizer step waited for the host copy (`_wait_for_staging`), their sum, the stages inside the save, seconds
-  until its write was on disk, and whether its copy went into the previous save's host buffers.
+  next optimizer step waited for the host copy (`_wait_for_staging`), the step-end check that published it once every
+  rank had written it (`_publish_when_written`, when that check found it done), their sum, the stages inside the save,
+  seconds until its write was on disk, and whether its copy went into the previous save's host buffers.
 - sync: saves at steps 1 and 2, the first with DCP's buffered files (checkpoint_writes="cached"), the second with
   O_DIRECT ("direct"); each with its stages: state collection, DCP's planning, its data (copy to host, serialise,
   write, fsync inside), of which fsync (summed over the two parts' threads), DCP's metadata, the small files, and the
@@ -274,7 +275,20 @@ def instrument(trainer: Any, stages: Stages, saves: list[dict]) -> None:
 
         return timed
 
+    publish = trainer._publish_when_written
+
+    def timed_publish() -> None:
+        """The step-end check that publishes a save once every rank wrote it: its seconds count as that save's."""
+        if trainer._pending_save is None:
+            return publish()
+        compute_sync()
+        start = time.perf_counter()
+        publish()
+        if trainer._pending_save is None and saves:
+            saves[-1]["publish_s"] = round(time.perf_counter() - start, 4)
+
     trainer._save_checkpoint, trainer._wait_for_staging = timed_save, timed_wait
+    trainer._publish_when_written = timed_publish
     trainer._save_checkpoint_files = stage("files", save_files)
     trainer._wait_for_pending_save = stage("pending", wait_pending)
 
@@ -294,7 +308,7 @@ def async_saves(spec: dict, data: Any, folder: str, stages: Stages) -> dict:
     seconds = time.perf_counter() - start
     del trainer
     for save in saves:
-        save["total_blocked_s"] = round(save["blocked_s"] + save["staging_wait_s"], 4)
+        save["total_blocked_s"] = round(save["blocked_s"] + save["staging_wait_s"] + save.get("publish_s", 0.0), 4)
     after = [step_s[s["step"]] for s in saves if s["step"] < len(step_s)]  # the step after each save
     return {
         "async_saves": saves[: len(SPACED)],
@@ -425,6 +439,8 @@ def checkpoint_table(part: dict) -> list[str]:
                 copies = " + ".join(f"{s:.2f}" for s in save.get("copy_s", []))
                 reused = {True: "buffers reused", False: "buffers allocated"}.get(save.get("buffers_reused"), "")
                 what = f"save call {save['blocked_s']:.2f} + wait for the copy {save['staging_wait_s']:.2f}"
+                if "publish_s" in save:
+                    what += f" + publish at a step's end {save['publish_s']:.2f}"
                 written = save.get("written_s")
                 what += f"; copy {copies} s in the background; "
                 what += f"written after {written:.2f} s; {reused}" if written is not None else f"not written; {reused}"
