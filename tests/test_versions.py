@@ -14,9 +14,10 @@ import subprocess
 import sys
 
 import pytest
+from packaging.version import Version
 
 from hf_fsdp2 import versions
-from hf_fsdp2.versions import ALLOW_UNTESTED, UntestedVersionError, check_versions, in_range
+from hf_fsdp2.versions import ALLOW_UNTESTED, UntestedVersionError, check_versions, in_range, tested_ranges
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTED = {"torch": "2.13.0+cpu", "transformers": "5.23.0", "accelerate": "1.15.0", "peft": "0.21.2"}
@@ -123,3 +124,30 @@ def test_the_versions_tables_are_the_render_of_the_recorded_runs():
     for page in versions_table.PAGES:
         with open(page) as f:
             assert versions_table.rewrite(page, table) == f.read(), f"{page}: python scripts/docs/versions_table.py"
+
+
+def admitted_minors(name: str) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The lowest and highest minor version `name`'s tested range admits (">=2.11,<2.16": 2.11 and 2.15)."""
+    bounds = {spec.operator: Version(spec.version).release for spec in tested_ranges()[name]}
+    low, high = bounds[">="], bounds["<"]
+    return (low[0], low[1]), (high[0], high[1] - 1)
+
+
+def test_the_ranges_claim_only_what_whole_runs_passed():
+    """Every corner of the torch x transformers ranges has a whole-suite run that passed, and no recorded run inside
+    the ranges failed: widen or keep a range only with the rows to show for it (docs/development.md)."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts", "docs"))
+    import versions_table
+
+    runs = {}
+    for entry in versions_table.load_records():
+        key = tuple(Version(entry["versions"][name]).release[:2] for name in ("torch", "transformers"))
+        runs[key] = versions_table.passed(entry)
+    corners = {(t, tf) for t in admitted_minors("torch") for tf in admitted_minors("transformers")}
+    assert {corner: runs.get(corner) for corner in corners} == dict.fromkeys(corners, True)
+    inside = [
+        key
+        for key in runs
+        if all(in_range(n, ".".join(map(str, v))) for n, v in zip(("torch", "transformers"), key, strict=True))
+    ]
+    assert [key for key in inside if not runs[key]] == []
