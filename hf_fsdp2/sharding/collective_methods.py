@@ -10,8 +10,9 @@ first check that every rank joined: a call on one rank only (`if is_world_proces
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -20,6 +21,7 @@ from torch import nn
 
 from ..distributed import agree, alone, is_host_group, new_host_group, warn_rank0
 from .gathering import free_memory, gathered, gathered_bytes
+from .units import COMPILED_BY_US
 
 # The methods `attach_collective_methods` sets on the sharded model (instance attributes).
 COLLECTIVE_METHODS = ("save_pretrained", "generate")
@@ -75,7 +77,7 @@ def attach_collective_methods(model: nn.Module, export: Callable[..., None], gat
     model.__dict__["save_pretrained"] = functools.partial(_save_pretrained, export, model)
     generate = getattr(model, "generate", None)
     if callable(generate):
-        call = functools.partial(_generate, generate, model if gather_for_generate else None)
+        call = functools.partial(_generate, generate, model, gather_for_generate)
         model.__dict__["generate"] = functools.wraps(generate)(call)
 
 
@@ -92,18 +94,41 @@ def _save_pretrained(
     export(model, str(save_directory), max_shard_size=max_shard_size)
 
 
-def _generate(generate: Any, model: nn.Module | None, *args: Any, **kwargs: Any) -> Any:
-    """The model's own generate, once every rank has called it; with `model`, inside `gathered(model)` and unsynced
-    when the gathered model fits on every rank (else per-token gathering, said once)."""
+def _generate(generate: Any, model: nn.Module, gather: bool, *args: Any, **kwargs: Any) -> Any:
+    """The model's own generate, once every rank has called it, with compiled blocks run eagerly; with `gather`,
+    inside `gathered(model)` and unsynced when the gathered model fits on every rank (else per-token gathering,
+    said once)."""
     all_ranks_join("generate")
-    if model is None or not gathered_fits(model):
-        return generate(*args, **kwargs)
-    # NOTE: synced_gpus (set by transformers for a sharded model, and by Seq2SeqTrainer) keeps every rank running
-    # forwards until all have finished, with an all-reduce per token, so per-token all-gathers stay matched. The
-    # gathered forwards run no collective, so each rank stops when its own rows are done and skips the all-reduces.
-    kwargs["synced_gpus"] = False
-    with gathered(model):
-        return generate(*args, **kwargs)
+    with eager_blocks(model):
+        if not gather or not gathered_fits(model):
+            return generate(*args, **kwargs)
+        # NOTE: synced_gpus (set by transformers for a sharded model, and by Seq2SeqTrainer) keeps every rank running
+        # forwards until all have finished, with an all-reduce per token, so per-token all-gathers stay matched. The
+        # gathered forwards run no collective, so each rank stops when its own rows are done and skips the
+        # all-reduces.
+        kwargs["synced_gpus"] = False
+        with gathered(model):
+            return generate(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def eager_blocks(model: nn.Module) -> Iterator[None]:
+    """Run the blocks FSDP2Config(compile=True) compiled eagerly inside the block, then compiled again.
+
+    Decoding changes shapes every token, and a KV cache makes each block's layer index a guard: a compiled block
+    recompiles per layer until dynamo's limit (8 entries, shared by every block), then runs eagerly anyway. On the
+    tiny Llama: 5 frames compiled for one 5-token generate (tests/test_parity.py's GENERATE_WITH run).
+    NOTE: `_compiled_call_impl` is where `nn.Module.compile()` keeps the compiled call (torch 2.2 on). Cleared on the
+    blocks `compile_units` compiled only: a compile the user set up (their own, transformers' static-cache one) runs.
+    """
+    compiled = [(m, m._compiled_call_impl) for m in model.modules() if getattr(m, COMPILED_BY_US, False)]
+    for module, _ in compiled:
+        module._compiled_call_impl = None
+    try:
+        yield
+    finally:
+        for module, call in compiled:
+            module._compiled_call_impl = call
 
 
 def gathered_fits(model: nn.Module) -> bool:

@@ -31,6 +31,9 @@ from ..meshes import world_group
 from .comm_buffers import pool_comm_buffers
 from .inference_mode import allow_inference_mode
 
+# Set on each block FSDP2Config(compile=True) compiled, so generate can run those (and only those) eagerly.
+COMPILED_BY_US = "_hf_fsdp2_compiled"
+
 
 def block_classes(model: nn.Module, config: FSDP2Config) -> list[str]:
     """Return the block class names to wrap: the config's, else the model's `_no_split_modules` (maybe none)."""
@@ -244,6 +247,7 @@ def shard_model(
     if config.compile:
         for unit in units or [model]:
             unit.compile()
+            setattr(unit, COMPILED_BY_US, True)  # generate runs it eagerly (collective_methods.eager_blocks)
     kwargs: dict[str, Any] = dict(mesh=mesh, reshard_after_forward=config.reshard_policy, mp_policy=policy)
     if config.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()

@@ -11,6 +11,8 @@ import contextlib
 import json
 import os
 import shutil
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from datasets import Dataset
@@ -395,8 +397,9 @@ def train(argv: list[str]) -> None:
         result["logits"] = trainer.model(input_ids=probe).logits.float().cpu().tolist()
     if args.generate:
         prompt = torch.tensor([[5, 6, 7, 8]], device=training_args.device)
-        with torch.no_grad(), _counting_collectives() as calls:
+        with torch.no_grad(), _counting_collectives() as calls, _counting_compiled_calls(trainer.model) as compiled:
             result["generated"] = trainer.model.generate(prompt, max_new_tokens=5, do_sample=False).tolist()
+        result["compiled_calls_in_generate"] = compiled[0]
         units = [m for m in trainer.model.modules() if isinstance(m, FSDPModule)]
         groups = [m._get_fsdp_state()._fsdp_param_group for m in units]
         result["all_gathers_in_generate"] = calls["all_gather"]
@@ -415,6 +418,29 @@ def train(argv: list[str]) -> None:
         torch.save({k: v.float() for k, v in weights.items()}, os.path.join(args.out, "weights.pt"))
         with open(os.path.join(args.out, "result.json"), "w") as f:
             json.dump(result, f)
+
+
+@contextlib.contextmanager
+def _counting_compiled_calls(model: torch.nn.Module) -> Iterator[list[int]]:
+    """Count calls into the compiled blocks (`nn.Module.compile()`'s `_compiled_call_impl`) inside the block: a count
+    dynamo's own counters miss once its recompile limit sends frames to eager."""
+    count = [0]
+
+    def counted(call: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            count[0] += 1
+            return call(*args, **kwargs)
+
+        return wrapper
+
+    compiled = [(m, m._compiled_call_impl) for m in model.modules() if m._compiled_call_impl is not None]
+    for module, call in compiled:
+        module._compiled_call_impl = counted(call)
+    try:
+        yield count
+    finally:
+        for module, call in compiled:
+            module._compiled_call_impl = call
 
 
 @contextlib.contextmanager
