@@ -409,20 +409,9 @@ def launch(system: str, jobs: str, env: dict, log: str, timeout: float) -> None:
 
 def start_two_ranks(command: list[str], env: dict, log: str) -> list[Any]:
     """The worker as 2 ranks on the one GPU: `torchrun --nproc_per_node 2 -m hf_fsdp2.shared_device` (gloo for CUDA
-    tensors under NCCL's device rules). On the CPU, where that launcher only lets torchrun's gloo start, the 2 ranks
-    are forked like the other workers (rank 1 logs to LOG-rank1.txt), unless forking is off
-    (BENCHMARK_FRESH_PROCESSES=1): then the same torchrun command as on a GPU.
+    tensors under NCCL's device rules). The CPU rehearsal starts it the same way (there that launcher only lets
+    torchrun's gloo start): one launch, so forking would save two imports, and the launch a GPU gets stays rehearsed.
     """
-    import forked_ranks
-
-    if env["GPU_CHECK_DRY_RUN"] == "1" and forked_ranks.can_fork():
-        port = str(free_port())
-        logs = (log, log.replace(".txt", "-rank1.txt"))
-        ranks = [dict(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2") for r in (0, 1)]
-        return [
-            forked_ranks.start(command, {**env, **ranks[r], "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}, logs[r])
-            for r in (0, 1)
-        ]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     torchrun += ["-m", "hf_fsdp2.shared_device", *command[1:]]
     with open(log, "w") as output:
