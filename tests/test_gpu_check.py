@@ -62,6 +62,8 @@ def test_compile_runs_each_system_compiled_by_its_own_switch_side_by_side(dry_ru
     assert list(runs) == ["hf_fsdp2 compile", "trainer compile", "accelerate compile"]
     assert {run["spec"]["system"] for run in runs.values()} == {"hf_fsdp2", "trainer", "accelerate"}
     assert all(run["spec"]["compile"] and run["tokens_per_s"] > 0 for run in runs.values())
+    # on the CPU the peers' whole models compile on aot_eager (their inductor kernels are theirs); ours on inductor
+    assert [run["spec"].get("backend") for run in runs.values()] == [None, "aot_eager", "aot_eager"]
     assert len({(run["spec"]["model"], run["spec"]["batch"], run["spec"]["seq"]) for run in runs.values()}) == 1
     table = gpu_check.render_markdown(dry_run)
     assert "| compiled, side by side (1B, 4 x 2048 tokens, bf16) |" in table and "| hf_fsdp2 compile ÷ this |" in table

@@ -47,15 +47,20 @@ def hf_fsdp2_trainer(spec: dict, data: Any, out: str, callbacks: list, **config:
     return hf_fsdp2.FSDP2Trainer(model, args, fsdp2_config=fsdp2_config, train_dataset=data, callbacks=callbacks)
 
 
+def compile_switch(spec: dict) -> dict[str, Any]:
+    """The peers' own compile switch, on the spec's backend when it names one (the CPU rehearsal's aot_eager)."""
+    if not spec.get("compile"):
+        return {"torch_compile": False}
+    return {"torch_compile": True, **({"torch_compile_backend": spec["backend"]} if spec.get("backend") else {})}
+
+
 def plain_trainer(spec: dict, data: Any, out: str, callbacks: list) -> Any:
     """Plain Trainer on one device: fp32 weights, bf16 autocast when asked (what `bf16=True` gives)."""
     import torch
     from transformers import AutoModelForCausalLM, Trainer
 
     model = AutoModelForCausalLM.from_pretrained(model_path(spec["model"]), dtype=torch.float32)
-    args = training_arguments(
-        spec, out, gradient_checkpointing=spec.get("ac", False), torch_compile=spec.get("compile", False)
-    )
+    args = training_arguments(spec, out, gradient_checkpointing=spec.get("ac", False), **compile_switch(spec))
     return Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks)
 
 
@@ -71,7 +76,7 @@ def accelerate_trainer(spec: dict, data: Any, out: str, callbacks: list) -> Any:
         "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"], "reshard_after_forward": True,
         "activation_checkpointing": spec.get("ac", False),
     }  # fmt: skip
-    args = training_arguments(spec, out, fsdp=True, fsdp_config=fsdp_config, torch_compile=spec.get("compile", False))
+    args = training_arguments(spec, out, fsdp=True, fsdp_config=fsdp_config, **compile_switch(spec))
     os.environ["ACCELERATE_USE_FSDP"] = "true"
     model = AutoModelForCausalLM.from_pretrained(model_path(spec["model"]), dtype=torch.float32)
     trainer_class = accelerate_fp8(AccelerateFSDP2Trainer) if spec.get("fp8") else AccelerateFSDP2Trainer
