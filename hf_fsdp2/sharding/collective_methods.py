@@ -117,7 +117,7 @@ def eager_blocks(model: nn.Module) -> Iterator[None]:
 
     Decoding changes shapes every token, and a KV cache makes each block's layer index a guard: a compiled block
     recompiles per layer until dynamo's limit (8 entries, shared by every block), then runs eagerly anyway. On the
-    tiny Llama: 5 frames compiled for one 5-token generate (tests/test_parity.py's GENERATE_WITH run).
+    tiny Llama: 6 frames compiled for one 5-token generate (tests/test_parity.py's GENERATE_WITH run).
     NOTE: `_compiled_call_impl` is where `nn.Module.compile()` keeps the compiled call (torch 2.2 on). Cleared on the
     blocks `compile_units` compiled only: a compile the user set up (their own, transformers' static-cache one) runs.
     """

@@ -389,7 +389,7 @@ def torch_compile() -> dict[str, Any]:
 
     With the aot_eager backend: Trainer's compile path through dynamo and AOTAutograd, where FSDP2's hooks and
     DTensors meet the compiler, without inductor's C++ code generation, which cost ~28 s per process on an empty
-    kernel cache here (a clean CI machine has one). Inductor with FSDP2 is test_parity's --compile case.
+    kernel cache here (a clean CI machine has one). Inductor with FSDP2 is test_parity's GENERATE_WITH run.
     """
     training = args("torch_compile", max_steps=2, torch_compile=True, torch_compile_backend="aot_eager")
     trainer = TrainerClass(causal_model(), training, train_dataset=make_dataset(32, 96))
