@@ -71,3 +71,22 @@ def test_generate_gathers_per_token_when_the_gathered_model_would_not_fit(monkey
     assert len(said) == 1 and "10.0 GiB" in said[0]
     monkeypatch.setattr(collective_methods, "free_memory", lambda: 100 * 2**30)
     assert collective_methods.gathered_fits(model)
+
+
+def test_generate_runs_only_the_blocks_hf_fsdp2_compiled_eagerly_and_compiles_them_again_after():
+    """`eager_blocks` clears the compiled call of the blocks FSDP2Config(compile=True) compiled, for generate's
+    duration; a module the user compiled keeps its compiled call (transformers' static-cache compile, their own)."""
+    from hf_fsdp2.sharding.collective_methods import eager_blocks
+    from hf_fsdp2.sharding.units import COMPILED_BY_US
+
+    ours, theirs = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    model = torch.nn.Sequential(ours, theirs)
+    ours.compile(), theirs.compile()  # lazily wrapped: nothing compiles until called
+    setattr(ours, COMPILED_BY_US, True)
+    compiled = ours._compiled_call_impl, theirs._compiled_call_impl
+    with eager_blocks(model):
+        assert ours._compiled_call_impl is None and theirs._compiled_call_impl is compiled[1]
+    assert (ours._compiled_call_impl, theirs._compiled_call_impl) == compiled
+    with pytest.raises(RuntimeError), eager_blocks(model):  # put back after an error inside generate too
+        raise RuntimeError("generate failed")
+    assert ours._compiled_call_impl is compiled[0]
