@@ -119,7 +119,7 @@ def eager_blocks(model: nn.Module) -> Iterator[None]:
     recompiles per layer until dynamo's limit (8 entries, shared by every block), then runs eagerly anyway. On the
     tiny Llama: 6 frames compiled for one 5-token generate (tests/test_parity.py's GENERATE_WITH run).
     NOTE: `_compiled_call_impl` is where `nn.Module.compile()` keeps the compiled call (torch 2.2 on). Cleared on the
-    blocks `compile_units` compiled only: a compile the user set up (their own, transformers' static-cache one) runs.
+    blocks `shard_model` compiled only: a compile the user set up (their own, transformers' static-cache one) runs.
     """
     compiled = [(m, m._compiled_call_impl) for m in model.modules() if getattr(m, COMPILED_BY_US, False)]
     for module, _ in compiled:
