@@ -132,7 +132,10 @@ class FSDP2Config:
     )
     compile: bool = field(
         default=False,
-        metadata={"help": "torch.compile each wrapped block (after activation checkpointing, before sharding)."},
+        metadata={
+            "help": "torch.compile each wrapped block (after activation checkpointing, before sharding). generate() "
+            "runs these blocks eagerly: decoding would recompile them for every token length and layer."
+        },
     )
     loss_chunk_size: int | None = field(
         default=None,
